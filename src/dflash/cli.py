@@ -1,0 +1,218 @@
+"""The `dflash` command: generate and chat on a target with its DFlash draft."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .errors import DFlashError
+from .loading import DEFAULT_MODEL, load_draft, load_target, shipped_draft
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(lo):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def _float_in(lo, hi, lo_open=False):
+    def parse(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+        if v < lo or v > hi or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
+def _model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in alias, HF model folder, .gguf file or hub id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", default=None, help="draft folder or hub id; when omitted, the draft shipped for --model if any")
+    g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=_float_in(0, 100), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=_int_at_least(0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=_float_in(0, 1, lo_open=True), default=1.0, help="1 = off")
+    p.add_argument("--block-size", type=_int_at_least(2), default=None,
+                   help="block size B = anchor + B-1 drafted tokens; None = the draft's own")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
+                                                   "the model's own on GPU")
+    p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
+    p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads; None = physical cores")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = _Parser(prog="dflash", formatter_class=fmt,
+                     description="Block-diffusion speculative decoding: exact target output, several times faster.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", parents=[_model_options()], formatter_class=fmt,
+                         help="answer one prompt, streaming the text", description="Answer one prompt, streaming "
+                         "the text to stdout; a stats line goes to stderr.")
+    gen.add_argument("prompt", help="the user message (the chat template is applied when the model has one)")
+    sub.add_parser("chat", parents=[_model_options()], formatter_class=fmt, help="interactive multi-turn chat",
+                   description="Interactive chat. /reset clears the history, /exit or Ctrl-D quits, "
+                   "Ctrl-C stops the current answer.")
+    return parser
+
+
+class TextStream:
+    """Turns committed token ids into printable text deltas, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[self.emitted:], len(text)
+        return delta
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+class Session:
+    """A loaded target (and draft) answering chat turns as a stream of text."""
+
+    def __init__(self, args):
+        from .generate import default_stop_token_ids
+
+        self.args = args
+        self.target, self.tokenizer = load_target(args.model, dtype=args.dtype, device=args.device,
+                                                  threads=args.threads)
+        self.draft = None
+        if args.draft is not None:
+            self.draft = load_draft(args.draft, self.target)
+        elif not args.no_draft:
+            found = shipped_draft(args.model)
+            if found is not None:
+                self.draft = load_draft(found, self.target)
+            else:
+                print(f"dflash: no draft is shipped for {args.model}; decoding without one (pass --draft DIR)",
+                      file=sys.stderr)
+        self.stop_ids = default_stop_token_ids(self.target)
+        self.generator = torch.Generator(device=self.target.device).manual_seed(args.seed)
+
+    def encode(self, messages: list[dict]) -> torch.Tensor:
+        if self.args.system:
+            messages = [{"role": "system", "content": self.args.system}] + messages
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def answer(self, messages: list[dict], out=sys.stdout):
+        """Streams the answer to `out`; returns (text, GenerationOutput)."""
+        from .generate import stream_generate
+
+        a = self.args
+        stream = stream_generate(self.target, self.draft, self.encode(messages), block_size=a.block_size,
+                                 max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                 top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator)
+        text = TextStream(self.tokenizer)
+        while True:
+            try:
+                rows = next(stream)
+            except StopIteration as stop:
+                result = stop.value
+                break
+            out.write(text.push(rows[0]))
+            out.flush()
+        return text.text(), result
+
+
+def stats_line(result) -> str:
+    n = sum(result.num_new_tokens)
+    draft = f"τ={result.tau:.2f}, acceptance {result.acceptance_histogram}" if result.block_size > 1 else "no draft"
+    return (f"[dflash] {n} new tokens in {result.total_time:.2f}s, {result.tokens_per_second:.1f} tok/s, "
+            f"{draft}, steps={result.num_steps}, ttft={result.time_to_first_token * 1000:.0f} ms")
+
+
+def cmd_generate(args) -> int:
+    session = Session(args)
+    _, result = session.answer([{"role": "user", "content": args.prompt}])
+    print(flush=True)
+    print(stats_line(result), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    session = Session(args)
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    print("dflash chat: /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            text, result = session.answer(history)
+        except KeyboardInterrupt:
+            history.pop()
+            print("\n(answer cancelled)", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": text})
+        print(flush=True)
+        print(stats_line(result), file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stdout/stderr carry the answer and one stats line, not load bars
+    hf_logging.set_verbosity_error()
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+    except DFlashError as e:
+        print(f"dflash: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

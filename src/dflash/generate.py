@@ -1,0 +1,319 @@
+"""Lossless speculative generation with a DFlash draft, and the plain autoregressive baseline.
+
+Both run the same loop: a step feeds the target [anchor, draft_1..draft_{B-1}] (B = 1 and no draft for the
+baseline), the target's choice at every position is its argmax or a sample, and each row commits the longest
+prefix where the draft agreed plus the target's own next token. Every committed token is the target's
+choice given a prefix that was itself committed, so greedy output equals the target's greedy output and
+sampled output has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import DFlashInputError
+from .model import DFlashDraftModel, DraftKVCache, check_fits
+from .sampling import SamplingParams, choose_tokens
+from .target import TargetAdapter
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [b, P + max new] prompt (as given, left-padded) + new tokens, right-padded
+    num_new_tokens: list[int]
+    block_size: int  # 1 for plain decoding
+    acceptance_lengths: list[int] = field(repr=False)  # tokens committed per (row, step), bonus included
+    num_steps: int = 0  # draft + verify steps after the prefill
+    compactions: int = 0  # times the cache squeezed out the holes left by rows that accepted less
+    time_to_first_token: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length τ (bonus token included; 1.0 for plain decoding)."""
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else 0.0
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        """Counts of acceptance lengths 1..block_size (index k-1 holds length k)."""
+        h = [0] * self.block_size
+        for a in self.acceptance_lengths:
+            h[a - 1] += 1
+        return h
+
+    @property
+    def time_per_output_token(self) -> float:
+        """Decode time after the first token over the tokens that followed it (longest row)."""
+        n = max(self.num_new_tokens, default=0)
+        return (self.total_time - self.time_to_first_token) / (n - 1) if n > 1 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.num_new_tokens) / self.total_time if self.total_time > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"{sum(self.num_new_tokens)} new tokens, {self.tokens_per_second:.1f} tok/s, τ={self.tau:.2f}, "
+                f"steps={self.num_steps}, ttft={self.time_to_first_token * 1000:.0f} ms, "
+                f"histogram={self.acceptance_histogram}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def default_stop_token_ids(target) -> list[int]:
+    for cfg in (getattr(target, "generation_config", None), target.config.get_text_config()):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    return []
+
+
+def _pad_token_id(target, stop_ids: list[int]) -> int:
+    for cfg in (getattr(target, "generation_config", None), target.config.get_text_config()):
+        pad = getattr(cfg, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return stop_ids[0] if stop_ids else 0
+
+
+def _check_inputs(target, input_ids, attention_mask, max_new_tokens):
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2:
+        raise DFlashInputError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise DFlashInputError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    elif not isinstance(attention_mask, torch.Tensor):
+        attention_mask = torch.as_tensor(attention_mask)
+    if attention_mask.dim() == 1:
+        attention_mask = attention_mask[None]
+    if attention_mask.shape != input_ids.shape:
+        raise DFlashInputError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                               f"input_ids shape {tuple(input_ids.shape)}")
+    mask = attention_mask.to(torch.bool)
+    empty = (~mask.any(1)).nonzero().flatten().tolist()
+    if empty:
+        raise DFlashInputError(f"empty prompt in batch row(s) {empty}: attention_mask has no ones")
+    # left padding only: once a row's real tokens start they must run to the end
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise DFlashInputError("attention_mask has padding after real tokens; pad on the left "
+                               "(tokenizer.padding_side = 'left')")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise DFlashInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if int(input_ids[mask].min()) < 0 or int(input_ids[mask].max()) >= vocab:
+        raise DFlashInputError(f"input_ids contain ids outside the vocabulary (size {vocab})")
+    longest = int(mask.sum(1).max())
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit and longest + max_new_tokens > limit:
+        raise DFlashInputError(f"prompt too long: {longest} prompt tokens + max_new_tokens={max_new_tokens} "
+                               f"exceeds the model's context of {limit} tokens")
+    device = next(target.parameters()).device
+    return input_ids.to(device), mask.to(device)
+
+
+class _Generation:
+    """State of one batched generation; `steps()` yields the tokens each step commits, row by row."""
+
+    def __init__(self, target, draft: DFlashDraftModel | None, input_ids, attention_mask, *, block_size,
+                 max_new_tokens, sampling: SamplingParams, stop_token_ids, generator):
+        self.target, self.draft = target, draft
+        self.input_ids, self.mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens)
+        self.device = self.input_ids.device
+        self.B = block_size if draft is not None else 1
+        self.max_new = max_new_tokens
+        self.sampling = sampling
+        self.generator = generator
+        self.stop_ids = default_stop_token_ids(target) if stop_token_ids is None else list(stop_token_ids)
+        self.stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
+        self.pad_id = _pad_token_id(target, self.stop_ids)
+        b = self.input_ids.shape[0]
+        # room for a whole block past max_new_tokens, so the scatter in _commit never needs clamping
+        self.out = torch.full((b, max_new_tokens + self.B), self.pad_id, dtype=torch.long, device=self.device)
+        self.n_gen = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.acceptance: list[int] = []
+        self.num_steps = 0
+        self.compactions = 0
+        self.ttft = 0.0
+        self.total = 0.0
+
+    def _commit(self, choice: torch.Tensor, n_commit: torch.Tensor, done: torch.Tensor):
+        """Appends choice[:, :n] per row, cut at the first stop token and at max_new_tokens.
+        choice: [b, q]; n_commit, done: [b]. Returns (n_take [b], done [b])."""
+        q = choice.shape[1]
+        j = torch.arange(q, device=self.device)
+        is_stop = torch.isin(choice, self.stop) & (j < n_commit[:, None])
+        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1) + 1, q + 1)
+        n_take = torch.minimum(torch.minimum(n_commit, self.max_new - self.n_gen), first_stop)
+        n_take = torch.where(done, 0, n_take)
+        idx = self.n_gen[:, None] + j
+        keep = j < n_take[:, None]
+        self.out.scatter_(1, idx, torch.where(keep, choice, self.out.gather(1, idx)))
+        self.n_gen += n_take
+        done = done | (first_stop <= n_take) | (self.n_gen >= self.max_new)
+        return n_take, done
+
+    def steps(self) -> Iterator[list[list[int]]]:
+        t0 = time.perf_counter()
+        b, P = self.input_ids.shape
+        if self.max_new == 0:
+            return
+        draft, B = self.draft, self.B
+        adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft is not None else None)
+        capacity = P + self.max_new + B
+        adapter.reset(b, capacity)
+        prompt_len = self.mask.sum(1)
+        pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
+
+        # prefill: the whole prompt in one forward; the first token is the target's alone
+        logits, feats = adapter.forward(self.input_ids, pos, capture=draft is not None, logits_to_keep=1,
+                                        slot_valid=self.mask)
+        first = choose_tokens(logits[:, -1], self.sampling, self.generator)  # [b]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        _, done = self._commit(first[:, None], torch.ones_like(first), done)
+        _sync(self.device)
+        self.ttft = time.perf_counter() - t0
+        yield [[t] for t in first.tolist()]
+
+        j = torch.arange(B, device=self.device)
+        if draft is not None:
+            dcache = DraftKVCache(draft.config, b, capacity, self.device, draft.fc.weight.dtype)
+            dcache.positions[:, :P] = pos
+            pending = (feats.masked_fill(~self.mask[..., None], 0), 0)  # features not yet in the draft cache
+            mask_block = torch.full((b, B - 1), draft.config.mask_token_id, dtype=torch.long, device=self.device)
+        all_done = bool(done.all())
+        while not all_done:
+            p = adapter.pointer
+            anchor = self.out.gather(1, (self.n_gen - 1).clamp(min=0)[:, None])  # [b, 1] last committed token
+            block_pos = (prompt_len + self.n_gen - 1)[:, None] + j  # [b, B] absolute positions of the block
+            if draft is not None:
+                draft.write_context(pending[0], dcache, pending[1])
+                proposal = draft.propose(torch.cat([anchor, mask_block], 1), block_pos, dcache, adapter.valid[:, :p])
+                verify_ids = torch.cat([anchor, proposal], 1)
+            else:
+                verify_ids = anchor
+            logits, feats = adapter.forward(verify_ids, block_pos, capture=draft is not None)
+            choice = choose_tokens(logits, self.sampling, self.generator)  # [b, B]
+            # accepted drafts: the prefix where draft token i+1 equals the target's choice at i
+            accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
+            active = ~done
+            n_take, done = self._commit(choice, accepted + 1, done)
+            # cache keeps [anchor, accepted drafts] = the slots before the new anchor
+            adapter.valid[:, p:p + B] = j < n_take[:, None]
+            if draft is not None:
+                dcache.positions[:, p:p + B] = block_pos
+                pending = (feats, p)
+            advance, all_done, acc = (torch.stack([n_take.max(), done.all().long()]).tolist()
+                                      + [(accepted + 1)[active].tolist()])
+            self.acceptance += acc
+            self.num_steps += 1
+            adapter.rewind(B - advance)
+            if adapter.pointer + B > capacity:
+                if draft is not None:
+                    draft.write_context(pending[0], dcache, pending[1])
+                    pending = (feats[:, :0], 0)
+                self.compactions += 1
+                index, new_valid = adapter.compaction_index()
+                adapter.compact(index, new_valid)
+                if draft is not None:
+                    dcache.gather_slots(index)
+            n = n_take.tolist()
+            yield [choice[i, :n[i]].tolist() for i in range(b)] if any(n) else [[] for _ in range(b)]
+        _sync(self.device)
+        self.total = time.perf_counter() - t0
+
+    def result(self) -> GenerationOutput:
+        n = self.n_gen.tolist()
+        width = max(n, default=0)
+        seq = torch.cat([self.input_ids, self.out[:, :width]], 1)
+        return GenerationOutput(sequences=seq, num_new_tokens=n, block_size=self.B,
+                                acceptance_lengths=self.acceptance, num_steps=self.num_steps, compactions=self.compactions,
+                                time_to_first_token=self.ttft, total_time=self.total)
+
+
+def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tokens) -> int:
+    if block_size is not None and num_speculative_tokens is not None and block_size != num_speculative_tokens:
+        raise DFlashInputError(f"block_size={block_size} and num_speculative_tokens={num_speculative_tokens} "
+                               "disagree (both mean the block size B here)")
+    B = block_size if block_size is not None else num_speculative_tokens
+    if B is None:
+        B = draft.config.block_size
+    if not isinstance(B, int) or B < 2:
+        raise DFlashInputError(f"block size must be an integer >= 2, got {B!r}")
+    return B
+
+
+def _make(target, draft, input_ids, attention_mask, block_size, max_new_tokens, temperature, top_k, top_p,
+          stop_token_ids, generator) -> _Generation:
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if draft is not None:
+        check_fits(draft.config, target)
+        if draft._target_modules is None or draft._target_modules[0] is not target.get_input_embeddings():
+            draft.bind(target)
+    return _Generation(target, draft, input_ids, attention_mask, block_size=block_size,
+                       max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
+                       generator=generator)
+
+
+def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention_mask=None, *, block_size=None,
+                    num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
+                    generator: torch.Generator | None = None) -> Iterator[list[list[int]]]:
+    """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
+    token ids each row committed in that step. The generator's return value is the GenerationOutput."""
+    B = _resolve_block_size(draft, block_size, num_speculative_tokens) if draft is not None else 1
+    g = _make(target, draft, input_ids, attention_mask, B, max_new_tokens, temperature, top_k, top_p,
+              stop_token_ids, generator)
+    with torch.inference_mode():
+        yield from g.steps()
+    return g.result()
+
+
+def _run(stream) -> GenerationOutput:
+    while True:
+        try:
+            next(stream)
+        except StopIteration as stop:
+            return stop.value
+
+
+@torch.inference_mode()
+def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=None, *, block_size=None,
+                  num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
+                  return_stats: bool = False):
+    """DFlash speculative generation.
+
+    `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
+    vLLM's setting of the same name counts B-1. Returns the sequences like HF `generate` (prompt as given,
+    then new tokens, rows that stopped early padded on the right), or a GenerationOutput with stats.
+    """
+    if draft is None:
+        raise DFlashInputError("spec_generate needs a draft; use ar_generate for plain decoding")
+    out = _run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
+                               num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                               generator=generator))
+    return out if return_stats else out.sequences
+
+
+@torch.inference_mode()
+def ar_generate(target, input_ids, attention_mask=None, *, max_new_tokens: int = 256, temperature: float = 0.0,
+                top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
+                return_stats: bool = False):
+    """Plain autoregressive decoding through the same loop, cache and sampling code as `spec_generate`."""
+    out = _run(stream_generate(target, None, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
+                               generator=generator))
+    return out if return_stats else out.sequences

@@ -1,0 +1,344 @@
+"""The DFlash draft: a few Qwen3-style layers that denoise a block of masks conditioned on target features."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
+from .errors import DFlashConfigError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [b, heads, n, head_dim]; cos/sin: [b, n, head_dim]
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DraftKVCache:
+    """Context keys/values of every draft layer in preallocated, position-indexed slots.
+
+    Slot j of row b holds the context entry written there; `valid[b, j]` says whether it is a committed
+    token of that row (rejected or padded slots stay masked). Block keys/values are never cached: the block is
+    re-drafted every step.
+    """
+
+    def __init__(self, config: DFlashConfig, batch_size: int, capacity: int, device, dtype):
+        shape = (config.num_hidden_layers, batch_size, config.num_key_value_heads, capacity, config.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # absolute positions
+        self.capacity = capacity
+
+    def gather_slots(self, index: torch.Tensor) -> None:
+        """Moves slots so that row b's slot j takes old slot index[b, j] (used to compact the cache)."""
+        n = index.shape[1]
+        idx = index[None, :, None, :, None].expand(self.keys.shape[0], -1, self.keys.shape[2], -1, self.keys.shape[4])
+        self.keys[:, :, :, :n] = self.keys.gather(3, idx)
+        self.values[:, :, :, :n] = self.values.gather(3, idx)
+        self.positions[:, :n] = self.positions.gather(1, index)
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from [context; block], both through this layer's projections."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim ** -0.5
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == SLIDING_ATTENTION else None
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v  # [b, kv_heads, n, head_dim]
+
+    def forward(self, x, rope_block, ctx_k, ctx_v, ctx_pos, ctx_valid, block_pos):
+        # x: [b, B, H]; ctx_k/ctx_v: [b, kv_heads, T, head_dim]; ctx_pos/ctx_valid: [b, T]; block_pos: [b, B]
+        b, B, _ = x.shape
+        cos, sin = rope_block
+        q = self.q_norm(self.q_proj(x).view(b, B, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        key_valid = torch.cat([ctx_valid, torch.ones(b, B, dtype=torch.bool, device=x.device)], dim=1)
+        mask = key_valid[:, None, None, :]  # [b, 1, 1|B, T+B]: non-causal, every block slot sees everything
+        if self.sliding_window is not None:
+            key_pos = torch.cat([ctx_pos, block_pos], dim=1)
+            dist = block_pos[:, :, None] - key_pos[:, None, :]  # [b, B, T+B]
+            mask = mask & ((dist >= 0) & (dist < self.sliding_window))[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, B, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DFlashMLP(config)
+
+
+class DFlashDraftModel(nn.Module):
+    """Block-diffusion draft. Owns no embedding or LM head: `bind(target)` borrows the target's, frozen."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_context_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        self.rotary_emb = Qwen3RotaryEmbedding(config.to_qwen3_config())
+        # the target's modules, kept outside the module tree so they are neither saved nor trained
+        self._target_modules: tuple[nn.Module, nn.Module] | None = None
+
+    # ---- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, num_layers: int = 1, block_size: int = 16, target_layer_ids=None,
+                    mask_token_id: int | None = None, tokenizer=None, num_target_features: int | None = None):
+        """A fresh (untrained) draft sized for `target`, any Hugging Face causal LM."""
+        tc = target.config.get_text_config()
+        L = tc.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(L, num_target_features or num_layers)
+        vocab = target.get_input_embeddings().weight.shape[0]
+        if mask_token_id is None:
+            mask_token_id = choose_mask_token_id(target, tokenizer)
+        theta, scaling = rope_settings(tc)
+        heads = tc.num_attention_heads
+        config = DFlashConfig(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            num_target_layers=L, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
+            vocab_size=vocab, num_hidden_layers=num_layers, block_size=block_size,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+        )
+        param = next(target.parameters())
+        draft = cls(config).to(device=param.device, dtype=param.dtype)
+        draft.reset_parameters()
+        draft.bind(target)
+        return draft
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def bind(self, target) -> "DFlashDraftModel":
+        """Checks that this draft fits `target` and borrows its embedding and LM head."""
+        check_fits(self.config, target)
+        emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if head is None:
+            raise DFlashConfigError(f"{type(target).__name__} has no output embeddings (LM head)")
+        self._target_modules = (emb, head)
+        return self
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._bound()[0]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._bound()[1]
+
+    def _bound(self):
+        if self._target_modules is None:
+            raise DFlashConfigError("draft is not bound to a target: call draft.bind(target) first")
+        return self._target_modules
+
+    # ---- checkpoint --------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        from .io import atomic_path
+
+        os.makedirs(directory, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        config = self.config
+        config.dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:
+            save_file(state, tmp, metadata={"format": "pt"})
+        config.save(directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, target=None, *, device=None, dtype=None):
+        """Loads a draft in the published format from a local folder (or a hub id when online)."""
+        from safetensors.torch import load_file
+
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            directory = _download(directory)
+        config = DFlashConfig.load(directory)
+        model = cls(config)
+        path = os.path.join(directory, "model.safetensors")
+        if not os.path.isfile(path):
+            raise DFlashConfigError(f"no model.safetensors in draft directory {directory}")
+        state = load_file(path)
+        state = {k.removeprefix("model."): v for k, v in state.items()
+                 if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise DFlashConfigError(f"draft checkpoint {path} does not match its config: "
+                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if target is not None:
+            param = next(target.parameters())
+            device, dtype = device or param.device, dtype or param.dtype
+        if dtype is None and config.dtype:
+            dtype = getattr(torch, config.dtype, None)
+        model = model.to(device=device, dtype=dtype)
+        if target is not None:
+            model.bind(target)
+        return model
+
+    # ---- forward -----------------------------------------------------------------------------------
+    def project_context(self, target_features: torch.Tensor) -> torch.Tensor:
+        # [b, n, num_ids*H] -> [b, n, H]
+        return self.hidden_norm(self.fc(target_features))
+
+    def write_context(self, target_features: torch.Tensor, cache: DraftKVCache, slot: int) -> None:
+        """Projects target features [b, n, num_ids*H] into every layer's context K/V at slots slot..slot+n
+        (their absolute positions must already be in cache.positions)."""
+        n = target_features.shape[1]
+        if n == 0:
+            return
+        ctx = self.project_context(target_features.to(self.fc.weight.dtype))
+        rope_ctx = self.rotary_emb(ctx, cache.positions[:, slot:slot + n])
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, *rope_ctx)
+            cache.keys[i, :, :, slot:slot + n] = k
+            cache.values[i, :, :, slot:slot + n] = v
+
+    def forward(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
+                ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Fills one block per row; returns the final hidden states of all B block slots [b, B, H].
+
+        block_ids, block_pos: [b, B] ([anchor, MASK, ...] at positions start..start+B-1).
+        ctx_valid: [b, T] which of the first T cache slots are committed context of each row.
+        """
+        T = ctx_valid.shape[1]
+        x = self.embed_tokens(block_ids)  # [b, B, H]
+        rope_block = self.rotary_emb(x, block_pos)
+        ctx_pos = cache.positions[:, :T]
+        for i, layer in enumerate(self.layers):
+            h = layer.self_attn(layer.input_layernorm(x), rope_block, cache.keys[i, :, :, :T],
+                                cache.values[i, :, :, :T], ctx_pos, ctx_valid, block_pos)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
+                ctx_valid: torch.Tensor) -> torch.Tensor:
+        """Greedy draft tokens [b, B-1] for the mask slots of each block (greedy even when the target samples:
+        a one-hot proposal keeps acceptance high and the verification rule keeps the output exact)."""
+        hidden = self(block_ids, block_pos, cache, ctx_valid)
+        return self.logits(hidden[:, 1:]).argmax(-1)
+
+
+def check_fits(config: DFlashConfig, target) -> None:
+    """Raises DFlashConfigError naming every way `config` does not fit `target`."""
+    tc = target.config.get_text_config()
+    problems = []
+    if config.hidden_size != tc.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target hidden size {tc.hidden_size}")
+    if config.num_target_layers != tc.num_hidden_layers:
+        problems.append(f"draft was built for a {config.num_target_layers}-layer target, "
+                        f"this target has {tc.num_hidden_layers} layers")
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad_ids:
+        problems.append(f"target_layer_ids {bad_ids} out of range 0..{tc.num_hidden_layers - 1}")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    if not 0 <= config.mask_token_id < vocab:
+        problems.append(f"mask_token_id {config.mask_token_id} outside the target vocabulary (size {vocab})")
+    if problems:
+        raise DFlashConfigError("draft does not fit target " + type(target).__name__ + ": " + "; ".join(problems))
+
+
+def choose_mask_token_id(target, tokenizer=None) -> int:
+    """A vocabulary row to use as MASK: a spare embedding row if the tokenizer leaves one, else a reserved one."""
+    rows = target.get_input_embeddings().weight.shape[0]
+    if tokenizer is not None:
+        n = len(tokenizer)
+        if rows > n:
+            return n
+        for tok in ("<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>"):
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and 0 <= tid < rows:
+                return tid
+    tc = target.config.get_text_config()
+    pad = getattr(tc, "pad_token_id", None)
+    eos = getattr(tc, "eos_token_id", None)
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+    if isinstance(pad, int) and 0 <= pad < rows and pad not in eos:
+        return pad
+    return rows - 1
+
+
+def _download(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:  # pragma: no cover
+        raise DFlashConfigError(f"draft path {repo_id!r} does not exist") from None
+    try:
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:
+        raise DFlashConfigError(f"draft path {repo_id!r} does not exist locally and could not be fetched "
+                                f"from the hub ({type(e).__name__})") from None

@@ -1,0 +1,119 @@
+"""Any Hugging Face causal LM as a DFlash target: slot-indexed static cache and hidden-state taps."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+
+from .errors import DFlashConfigError
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layer stack of an HF causal LM, found through public accessors."""
+    n = model.config.get_text_config().num_hidden_layers
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == n:
+        return layers
+    for module in model.modules():  # unusual layouts: the ModuleList with one entry per layer
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise DFlashConfigError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+class TargetAdapter:
+    """Runs the target over slot-indexed KV storage and taps the layers the draft needs.
+
+    Row b's tokens live in cache slots; `valid[b, j]` marks the slots that hold committed tokens of row b.
+    Every forward writes its q tokens at slots [pointer, pointer+q). Rolling back is moving the pointer
+    (`rewind`), so nothing is re-allocated per step; rows that accepted fewer tokens than others leave
+    masked holes until `compact` squeezes them out.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None):
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.layer_ids = list(layer_ids or [])
+        self.layers = decoder_layers(model) if self.layer_ids else None
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.cache = None
+        self.valid = None
+        self.pointer = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- cache ---------------------------------------------------------------------------------------
+    def reset(self, batch_size: int, capacity: int) -> None:
+        from transformers.cache_utils import Cache, StaticLayer
+
+        # Full static layers everywhere, even for sliding-window models: a ring buffer cannot be rewound.
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(self.config.num_hidden_layers)])
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=self.device)
+        self.capacity = capacity
+        self.pointer = 0
+
+    def rewind(self, n: int) -> None:
+        """Drops the last n written slots (pointer move; the tensors stay where they are)."""
+        if n > 0:
+            self.cache.crop(-n)
+            self.pointer -= n
+
+    def compaction_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index [b, m] that right-aligns each row's valid slots (as left padding would), and the new valid mask."""
+        valid = self.valid[:, :self.pointer]
+        counts = valid.sum(1)
+        m = int(counts.max())
+        # sort key puts valid slots last in their original order, so the last m slots are the ones we keep
+        order = torch.argsort(valid.to(torch.int64) * (self.pointer + 1) + torch.arange(self.pointer, device=valid.device),
+                              dim=1, stable=True)[:, -m:] if m > 0 else valid.new_zeros(valid.shape[0], 0, dtype=torch.long)
+        new_valid = torch.arange(m, device=valid.device)[None, :] >= (m - counts)[:, None]
+        return order, new_valid
+
+    def compact(self, index: torch.Tensor, new_valid: torch.Tensor) -> None:
+        m = index.shape[1]
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            idx = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys[:, :, :m] = layer.keys.gather(2, idx)
+            layer.values[:, :, :m] = layer.values.gather(2, idx)
+        self.rewind(self.pointer - m)
+        self.valid.zero_()
+        self.valid[:, :m] = new_valid
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _hook(self, i):
+        def fn(module, args, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, capture: bool,
+                logits_to_keep: int = 0, slot_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Writes input_ids [b, q] at slots pointer..pointer+q; returns logits [b, q', V] and features
+        [b, q, num_ids*H] (the outputs of the tapped decoder layers, concatenated) when `capture`."""
+        q = input_ids.shape[1]
+        if self.pointer + q > self.capacity:
+            raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
+        # the caller decides which of the new slots count; they must be visible to this forward
+        self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
+        hooks = []
+        if capture:
+            hooks = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=self.valid, position_ids=position_ids,
+                             use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kw: self.cache})
+        finally:
+            for h in hooks:
+                h.remove()
+        self.pointer += q
+        features = None
+        if capture:
+            features = torch.cat([self._captured.pop(i) for i in self.layer_ids], dim=-1)
+        return out.logits, features

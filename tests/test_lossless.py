@@ -1,0 +1,121 @@
+"""Greedy losslessness: every row equals the target's own greedy decoding of that prompt alone."""
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, ar_generate, spec_generate
+from oracle import OracleDraft
+from tiny import ARCHS, ragged_batch, reference_greedy, tiny_target
+
+MAX_NEW = 24
+MIN_GAP = 1e-3  # fp32 noise is ~1e-5; a smaller top-1/top-2 gap could flip an argmax between code paths
+
+
+def references(target, ids, mask, max_new, stop=()):
+    refs = []
+    for i in range(ids.shape[0]):
+        prompt = ids[i][mask[i].bool()]
+        new, gap = reference_greedy(target, prompt, max_new, stop)
+        assert gap > MIN_GAP, f"logits too close to call (gap {gap}); pick another seed"
+        refs.append(new)
+    return refs
+
+
+def new_tokens(out, ids, n_new):
+    return [out.sequences[i, ids.shape[1]:ids.shape[1] + n_new[i]].tolist() for i in range(ids.shape[0])]
+
+
+def futures_for(ids, mask, refs):
+    """Per row: the full token sequence by absolute position (prompt then greedy continuation)."""
+    return [ids[i][mask[i].bool()].tolist() + refs[i] for i in range(ids.shape[0])]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_target(request):
+    return request.param, tiny_target(request.param, seed=1)
+
+
+@pytest.mark.parametrize("lengths", [[7], [3, 11, 6, 9]], ids=["batch1", "batch4-ragged"])
+def test_random_and_oracle_drafts_match_target_greedy(arch_target, lengths):
+    arch, target = arch_target
+    ids, mask = ragged_batch(lengths, seed=len(lengths))
+    refs = references(target, ids, mask, MAX_NEW)
+    ar = ar_generate(target, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
+    assert new_tokens(ar, ids, ar.num_new_tokens) == refs
+    for B in (2, 4, 8, 16):
+        base = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
+        futures = futures_for(ids, mask, refs)
+        for draft, name in ((base, "random"), (OracleDraft(base, futures), "oracle"),
+                            (OracleDraft(base, futures, corrupt=0.25, seed=B), "noisy-oracle")):
+            out = spec_generate(target, draft, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                                return_stats=True)
+            assert out.num_new_tokens == [MAX_NEW] * len(lengths), (arch, B, name)
+            assert new_tokens(out, ids, out.num_new_tokens) == refs, (arch, B, name)
+            # left-padded input is returned as given
+            assert torch.equal(out.sequences[:, :ids.shape[1]], ids)
+            if name == "oracle":
+                assert out.tau > min(B, 4) * 0.7, (arch, B, out.tau)  # the acceptance path really ran
+
+
+def test_stop_tokens_per_row_and_right_padding():
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([5, 10, 7], seed=3)
+    refs = references(target, ids, mask, MAX_NEW)
+    stop = refs[0][4]  # a token row 0 emits at step 5; other rows may or may not hit it
+    stopped = references(target, ids, mask, MAX_NEW, stop=(stop,))
+    assert len(stopped[0]) == 5
+    mask_id = next(t for t in range(95, 2, -1) if t not in sum(stopped, []))  # a row the target never emits
+    base = DFlashDraftModel.from_target(target, block_size=8, mask_token_id=mask_id)
+    for draft in (base, OracleDraft(base, futures_for(ids, mask, refs))):
+        out = spec_generate(target, draft, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[stop],
+                            return_stats=True)
+        assert out.num_new_tokens == [len(s) for s in stopped]
+        assert new_tokens(out, ids, out.num_new_tokens) == stopped
+        # nothing after a stop token: rows that stopped early are right-padded with the pad id
+        width = out.sequences.shape[1] - ids.shape[1]
+        assert width == max(len(s) for s in stopped)
+        for i, s in enumerate(stopped):
+            assert out.sequences[i, ids.shape[1] + len(s):].eq(0).all()
+        assert mask_id not in out.sequences[:, ids.shape[1]:].flatten().tolist()
+
+
+def test_holes_are_compacted_when_rows_accept_very_differently():
+    """One row accepts whole blocks, another almost nothing: the shared cache pointer runs ahead of the
+    slow row until the cache must squeeze out the holes. Output must stay exact through compaction."""
+    target = tiny_target("qwen3", seed=1)
+    ids, mask = ragged_batch([4, 9, 6], seed=5)
+    max_new = 60
+    refs = references(target, ids, mask, max_new)
+    base = DFlashDraftModel.from_target(target, block_size=16)
+    draft = OracleDraft(base, futures_for(ids, mask, refs), corrupt=[0.0, 1.0, 0.5])
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=max_new, stop_token_ids=[], return_stats=True)
+    assert out.compactions > 0
+    assert new_tokens(out, ids, out.num_new_tokens) == refs
+
+
+def test_published_example_call_runs_as_written():
+    target = tiny_target("qwen3", seed=1)
+    draft_model = DFlashDraftModel.from_target(target, num_layers=2, block_size=16)
+    input_ids = ragged_batch([6], seed=7)[0]
+    out = spec_generate(target, draft_model, input_ids, num_speculative_tokens=16, temperature=0.0,
+                        max_new_tokens=512 - 6 - 16)
+    ref = ar_generate(target, input_ids, max_new_tokens=512 - 6 - 16)
+    assert torch.equal(out, ref)
+
+
+def test_stats_are_consistent():
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([6, 8], seed=2)
+    refs = references(target, ids, mask, MAX_NEW)
+    draft = OracleDraft(DFlashDraftModel.from_target(target, block_size=4), futures_for(ids, mask, refs),
+                        corrupt=0.3, seed=1)
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
+    hist = out.acceptance_histogram
+    assert len(hist) == 4 and sum(hist) == len(out.acceptance_lengths)
+    assert all(1 <= a <= 4 for a in out.acceptance_lengths)
+    # every token after the prefill's first one was committed by some step (the last step may be cut short)
+    assert sum(out.acceptance_lengths) >= sum(n - 1 for n in out.num_new_tokens)
+    assert 1.0 <= out.tau <= 4.0 and out.num_steps >= MAX_NEW // 4
+    assert out.time_to_first_token > 0 and out.total_time >= out.time_to_first_token
+    ar = ar_generate(target, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
+    assert ar.tau == 1.0 and ar.acceptance_histogram == [ar.num_steps * 2]
