@@ -119,3 +119,26 @@ def test_stats_are_consistent():
     assert out.time_to_first_token > 0 and out.total_time >= out.time_to_first_token
     ar = ar_generate(target, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
     assert ar.tau == 1.0 and ar.acceptance_histogram == [ar.num_steps * 2]
+
+
+def test_caches_are_preallocated_and_never_reallocated(monkeypatch):
+    """Per-step cost must not grow with length: every step writes into the same cache storage."""
+    from dflash import target as target_mod
+
+    ptrs = []
+    real = target_mod.TargetAdapter.forward
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        ptrs.append((self.cache.layers[0].keys.data_ptr(), self.cache.layers[-1].values.data_ptr(),
+                     self.valid.data_ptr(), self.cache.layers[0].keys.shape))
+        return out
+
+    monkeypatch.setattr(target_mod.TargetAdapter, "forward", spy)
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([5, 8], seed=1)
+    draft = DFlashDraftModel.from_target(target, block_size=4)
+    spec_generate(target, draft, ids, mask, max_new_tokens=40, stop_token_ids=[])
+    ar_generate(target, ids, mask, max_new_tokens=40, stop_token_ids=[])
+    spec_ptrs, ar_ptrs = ptrs[:len(ptrs) - 40], ptrs[len(ptrs) - 40:]
+    assert len(set(spec_ptrs)) == 1 and len(set(ar_ptrs)) == 1

@@ -319,9 +319,15 @@ def choose_mask_token_id(target, tokenizer=None) -> int:
         n = len(tokenizer)
         if rows > n:
             return n
+        vocab = tokenizer.get_vocab()
         for tok in ("<|mask|>", "<mask>", "[MASK]", "<|reserved_special_token_0|>"):
-            tid = tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != tokenizer.unk_token_id and 0 <= tid < rows:
+            if tok in vocab and vocab[tok] < rows:
+                return vocab[tok]
+        # else the last added token that neither the chat template nor bos/eos/pad/unk use
+        template = getattr(tokenizer, "chat_template", None) or ""
+        used = set(tokenizer.all_special_ids)
+        for tid, added in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items(), reverse=True):
+            if tid < rows and tid not in used and added.content not in template:
                 return tid
     tc = target.config.get_text_config()
     pad = getattr(tc, "pad_token_id", None)

@@ -1,0 +1,76 @@
+"""Plain decoding speed: our `ar_generate` vs transformers `model.generate`, side by side in one process.
+
+Greedy, fixed number of new tokens (EOS ignored so every run decodes the same count), alternating order per
+prompt after a warm-up. Prints a table and ends with one JSON line.
+
+    python benchmarks/ar_vs_hf.py --model smollm2-135m-instruct --max-new-tokens 256 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dflash import ar_generate
+from dflash.loading import DEFAULT_MODEL, load_target
+
+PROMPTS = [
+    "Explain why the sky is blue to a ten-year-old.",
+    "Write a short story about a robot who learns to paint.",
+    "List five tips for staying productive when working from home, with a sentence on each.",
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="model to measure")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per run")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and method")
+    args = ap.parse_args()
+    target, tok = load_target(args.model, dtype=args.dtype, threads=args.threads)
+    target.generation_config.eos_token_id = None  # decode exactly max_new_tokens in both paths
+    n = args.max_new_tokens
+
+    def ours(ids):
+        return ar_generate(target, ids, max_new_tokens=n, stop_token_ids=[])
+
+    def hf(ids):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+
+    methods = {"dflash ar_generate": ours, "transformers generate": hf}
+    encoded = [torch.tensor([tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                     tokenize=True)["input_ids"]]) for p in PROMPTS]
+    with torch.inference_mode():
+        for fn in methods.values():  # warm-up
+            fn(encoded[0][:, :8])
+        rates = {m: [] for m in methods}
+        same = True
+        for i, ids in enumerate(encoded * args.repeats):
+            order = list(methods) if i % 2 == 0 else list(methods)[::-1]
+            outs = {}
+            for m in order:
+                t = time.perf_counter()
+                outs[m] = methods[m](ids)
+                rates[m].append(n / (time.perf_counter() - t))
+            same &= torch.equal(outs["dflash ar_generate"], outs["transformers generate"])
+    med = {m: statistics.median(r) for m, r in rates.items()}
+    ratio = med["dflash ar_generate"] / med["transformers generate"]
+    print(f"{'method':24s} {'median tok/s':>12s}  per prompt")
+    for m, r in rates.items():
+        print(f"{m:24s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
+    print(f"ratio ours/transformers: {ratio:.2f}x   identical outputs: {same}")
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+                      "max_new_tokens": n, "prompts": len(encoded) * args.repeats,
+                      "tokens_per_s": {m: round(v, 2) for m, v in med.items()}, "ratio": round(ratio, 3),
+                      "identical": same}))
+
+
+if __name__ == "__main__":
+    main()

