@@ -162,30 +162,31 @@ def test_sliding_window_layers_are_causal_and_windowed(tmp_path):
     assert draft.config.layer_types == ["sliding_attention", "full_attention"]
     attn = draft.layers[0].self_attn
     assert attn.sliding_window == 4 and draft.layers[1].self_attn.sliding_window is None
+    from dflash.model import layer_masks
+
     torch.manual_seed(0)
     b, T, B = 1, 10, 4
     x = torch.randn(b, B, 64)
-    ctx_pos = torch.arange(T)[None]
     block_pos = (T + torch.arange(B))[None]
+    k_pos = torch.arange(T + B)[None]
     rope = draft.rotary_emb(x, block_pos)
     ck, cv = torch.randn(b, 2, T, 16), torch.randn(b, 2, T, 16)
-    valid = torch.ones(b, T, dtype=torch.bool)
-    base = attn(x, rope, ck, cv, ctx_pos, valid, block_pos)
+    sliding_mask, full_mask = layer_masks(draft.config, torch.ones(b, 1, T + B, dtype=torch.bool), block_pos, k_pos)
+    base = attn(x, rope, ck, cv, sliding_mask)
     # a context key older than every query's window changes nothing ...
     ck2 = ck.clone()
     ck2[:, :, :T - 4] += 5.0
-    assert torch.allclose(attn(x, rope, ck2, cv, ctx_pos, valid, block_pos), base, atol=1e-6)
+    assert torch.allclose(attn(x, rope, ck2, cv, sliding_mask), base, atol=1e-6)
     # ... one inside the window does; the full layer sees it too
     ck3 = ck.clone()
     ck3[:, :, T - 1] += 5.0
-    assert not torch.allclose(attn(x, rope, ck3, cv, ctx_pos, valid, block_pos), base, atol=1e-4)
+    assert not torch.allclose(attn(x, rope, ck3, cv, sliding_mask), base, atol=1e-4)
     full = draft.layers[1].self_attn
-    assert not torch.allclose(full(x, rope, ck2, cv, ctx_pos, valid, block_pos),
-                              full(x, rope, ck, cv, ctx_pos, valid, block_pos), atol=1e-4)
+    assert not torch.allclose(full(x, rope, ck2, cv, full_mask), full(x, rope, ck, cv, full_mask), atol=1e-4)
     # causal inside the block: changing the last block slot leaves the first one unchanged
     x2 = x.clone()
     x2[:, -1] += 3.0
-    assert torch.allclose(attn(x2, rope, ck, cv, ctx_pos, valid, block_pos)[:, 0], base[:, 0], atol=1e-6)
+    assert torch.allclose(attn(x2, rope, ck, cv, sliding_mask)[:, 0], base[:, 0], atol=1e-6)
     ids = ragged_batch([7, 3], seed=2)
     assert torch.equal(spec_generate(target, draft, *ids, max_new_tokens=20, stop_token_ids=[]),
                        ar_generate(target, *ids, max_new_tokens=20, stop_token_ids=[]))

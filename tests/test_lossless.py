@@ -122,7 +122,8 @@ def test_stats_are_consistent():
 
 
 def test_caches_are_preallocated_and_never_reallocated(monkeypatch):
-    """Per-step cost must not grow with length: every step writes into the same cache storage."""
+    """Per-step cost must not grow with length: steps write into the same cache storage. Storage changes only
+    when finished rows leave the batch (at most once per row), never per step."""
     from dflash import target as target_mod
 
     ptrs = []
@@ -131,14 +132,34 @@ def test_caches_are_preallocated_and_never_reallocated(monkeypatch):
     def spy(self, *a, **k):
         out = real(self, *a, **k)
         ptrs.append((self.cache.layers[0].keys.data_ptr(), self.cache.layers[-1].values.data_ptr(),
-                     self.valid.data_ptr(), self.cache.layers[0].keys.shape))
+                     self.valid.data_ptr()))
         return out
 
     monkeypatch.setattr(target_mod.TargetAdapter, "forward", spy)
     target = tiny_target("llama", seed=1)
-    ids, mask = ragged_batch([5, 8], seed=1)
     draft = DFlashDraftModel.from_target(target, block_size=4)
-    spec_generate(target, draft, ids, mask, max_new_tokens=40, stop_token_ids=[])
-    ar_generate(target, ids, mask, max_new_tokens=40, stop_token_ids=[])
-    spec_ptrs, ar_ptrs = ptrs[:len(ptrs) - 40], ptrs[len(ptrs) - 40:]
-    assert len(set(spec_ptrs)) == 1 and len(set(ar_ptrs)) == 1
+    for generate in (lambda *a, **k: spec_generate(target, draft, *a, **k), lambda *a, **k: ar_generate(target, *a, **k)):
+        ptrs.clear()
+        generate(ragged_batch([5], seed=1)[0], max_new_tokens=40, stop_token_ids=[])
+        assert len(ptrs) >= 10 and len(set(ptrs)) == 1
+        ptrs.clear()
+        ids, mask = ragged_batch([5, 8, 6], seed=1)
+        generate(ids, mask, max_new_tokens=40, stop_token_ids=[])
+        assert len(ptrs) >= 10 and len(set(ptrs)) <= 3
+
+
+def test_finished_rows_leave_the_batch_and_outputs_stay_exact():
+    """Rows that stop early are retired from the batch; the rest continue exactly."""
+    target = tiny_target("qwen2", seed=1)
+    ids, mask = ragged_batch([4, 9, 6, 5, 7, 3, 8, 10], seed=9)
+    refs = references(target, ids, mask, MAX_NEW)
+    stops = {r[3] for r in refs[:4]}  # rows 0..3 stop within 4 tokens, the others when they meet one
+    stopped = references(target, ids, mask, MAX_NEW, stop=tuple(stops))
+    assert min(len(s) for s in stopped) <= 4 and max(len(s) for s in stopped) > 8
+    base = DFlashDraftModel.from_target(target, block_size=4)
+    for draft in (base, OracleDraft(base, futures_for(ids, mask, refs), corrupt=0.3)):
+        out = spec_generate(target, draft, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=list(stops),
+                            return_stats=True)
+        assert new_tokens(out, ids, out.num_new_tokens) == stopped
+    ar = ar_generate(target, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=list(stops), return_stats=True)
+    assert new_tokens(ar, ids, ar.num_new_tokens) == stopped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -73,7 +74,119 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("chat", parents=[_model_options()], formatter_class=fmt, help="interactive multi-turn chat",
                    description="Interactive chat. /reset clears the history, /exit or Ctrl-D quits, "
                    "Ctrl-C stops the current answer.")
+    reg = sub.add_parser("regenerate", parents=[_model_options()], formatter_class=fmt,
+                         help="write training data: the target's own answers to prompts",
+                         description="Answer prompts with the target (batched, resumable) and write a dataset "
+                         "folder of JSONL shards: conversation, token ids and a loss mask over the answer.")
+    reg.add_argument("inputs", nargs="+", help="JSONL files or folders ('prompt', 'messages' or 'turns' per line), "
+                     "or named sets: chat, gsm8k:train, mbpp:train, ...")
+    reg.add_argument("-o", "--output", required=True, help="dataset folder (a rerun resumes it)")
+    reg.add_argument("--batch-size", type=_int_at_least(1), default=32, help="prompts answered together")
+    reg.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=1024, help="longer prompts are skipped")
+    reg.add_argument("--limit", type=_int_at_least(1), default=None, help="answer only the first N prompts")
+    reg.add_argument("--data-dir", default=None, help="folder of the named sets; None = $DFLASH_DATA_DIR")
+    reg.set_defaults(max_new_tokens=512)
+    _train_parsers(sub, fmt)
     return parser
+
+
+_TRAIN_HELP = {
+    "target": "target model (alias, folder, .gguf or hub id)", "data": "dataset folders from `dflash regenerate`",
+    "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features)",
+    "init_draft": "start from this draft instead of a fresh one", "num_layers": "draft decoder layers",
+    "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",
+    "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
+    "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",
+    "num_anchors": "anchors (blocks) per sequence", "gamma": "loss decay exp(-(k-1)/gamma); None = 7*(B-1)/15",
+    "lr": "peak learning rate (AdamW)", "warmup": "warm-up fraction of all steps (then cosine decay)",
+    "weight_decay": "AdamW weight decay", "epochs": "passes over the data",
+    "max_steps": "stop after this many steps (schedule still spans all epochs)", "max_length": "tokens per sequence",
+    "batch_size": "sequences per step per process", "grad_accum": "gradient accumulation",
+    "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype", "save_dtype": "dtype of saved drafts",
+    "seed": "seed (data order, anchors, init)", "save_interval": "checkpoint every N steps",
+    "eval_interval": "measure τ every N steps", "eval_samples": "held-out sequences for τ",
+    "eval_max_new_tokens": "tokens generated per held-out prompt", "log_interval": "log every N steps",
+    "resume": "continue from the latest checkpoint in --output", "device": "cpu | cuda",
+    "threads": "torch threads (default: physical cores)",
+}
+
+
+def _add_train_options(p, only=None):
+    from dataclasses import fields
+
+    from .train import TrainConfig
+
+    for f in fields(TrainConfig):
+        if only is not None and f.name not in only:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = str(f.type)
+        default = None  # real defaults come from TrainConfig (after the YAML file, if any)
+        if "bool" in t:
+            p.add_argument(flag, action="store_true", default=None, help=_TRAIN_HELP[f.name])
+        elif t.startswith("list[int]"):
+            p.add_argument(flag, type=int, nargs="+", default=default, help=_TRAIN_HELP[f.name])
+        elif t.startswith("list[str]"):
+            p.add_argument(flag, nargs="+", default=default, help=_TRAIN_HELP[f.name])
+        else:
+            kind = int if t.startswith("int") else float if t.startswith("float") else str
+            p.add_argument(flag, type=kind, default=default,
+                           help=f"{_TRAIN_HELP[f.name]} (default: {getattr(TrainConfig(), f.name)})")
+
+
+def _train_parsers(sub, fmt):
+    tr = sub.add_parser("train", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="train a DFlash draft on regenerated data",
+                        description="Train a draft for a target. Options come from --config (YAML, same names) "
+                        "and are overridden by flags. Runs under torchrun for several processes.")
+    tr.add_argument("--config", default=None, help="YAML file with any of the options below")
+    _add_train_options(tr)
+    fe = sub.add_parser("features", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        help="cache the target's features of a dataset for training",
+                        description="Run the target once over a dataset and store the features the draft needs, "
+                        "so `dflash train --features DIR` skips the target forward (resumable).")
+    fe.add_argument("--config", default=None, help="YAML file (the training config works)")
+    _add_train_options(fe, only={"target", "data", "features", "num_layers", "target_layer_ids",
+                                 "num_target_features", "max_length", "dtype", "device", "threads"})
+
+
+def _train_config(args):
+    from dataclasses import fields
+
+    from .train import TrainConfig
+
+    values = TrainConfig.from_yaml(args.config) if args.config else {}
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return TrainConfig(**values)
+
+
+def cmd_train(args) -> int:
+    from .train import train
+
+    cfg = _train_config(args)
+    result = train(cfg)
+    print(json.dumps(result))
+    return 0
+
+
+def cmd_features(args) -> int:
+    from .config import default_target_layer_ids
+    from .regenerate import read_dataset
+    from .train import compute_features
+
+    cfg = _train_config(args)
+    if not cfg.features:
+        raise DFlashError("pass --features DIR: the folder to write the features into")
+    target, _ = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
+    n_layers = target.config.get_text_config().num_hidden_layers
+    ids = cfg.target_layer_ids or default_target_layer_ids(n_layers, cfg.num_target_features or cfg.num_layers)
+    records = read_dataset(cfg.data)
+    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=cfg.dtype)
+    print(json.dumps({"features": cfg.features, "records": len(records), "target_layer_ids": ids}))
+    return 0
 
 
 class TextStream:
@@ -199,6 +312,19 @@ def cmd_chat(args) -> int:
         print(stats_line(result), file=sys.stderr)
 
 
+def cmd_regenerate(args) -> int:
+    from .regenerate import RegenerateConfig, regenerate
+
+    cfg = RegenerateConfig(sources=args.inputs, output=args.output, model=args.model,
+                           draft=None if args.no_draft else args.draft, max_new_tokens=args.max_new_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, top_k=args.top_k,
+                           top_p=args.top_p, batch_size=args.batch_size, limit=args.limit, seed=args.seed,
+                           system=args.system)
+    target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    regenerate(cfg, target=target, tokenizer=tokenizer, data_dir=args.data_dir)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -206,7 +332,8 @@ def main(argv=None) -> int:
     hf_logging.disable_progress_bar()  # stdout/stderr carry the answer and one stats line, not load bars
     hf_logging.set_verbosity_error()
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
+                "features": cmd_features}[args.command](args)
     except DFlashError as e:
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2

@@ -148,20 +148,23 @@ class _Generation:
         self.ttft = 0.0
         self.total = 0.0
 
-    def _commit(self, choice: torch.Tensor, n_commit: torch.Tensor, done: torch.Tensor):
-        """Appends choice[:, :n] per row, cut at the first stop token and at max_new_tokens.
-        choice: [b, q]; n_commit, done: [b]. Returns (n_take [b], done [b])."""
+    def _commit(self, live: torch.Tensor, choice: torch.Tensor, n_commit: torch.Tensor, done: torch.Tensor):
+        """Appends choice[:, :n] to each live row, cut at the first stop token and at max_new_tokens.
+        live: [L] batch rows still decoding; choice: [L, q]; n_commit, done: [L]. Returns (n_take, done)."""
         q = choice.shape[1]
         j = torch.arange(q, device=self.device)
+        n_gen = self.n_gen[live]
         is_stop = torch.isin(choice, self.stop) & (j < n_commit[:, None])
         first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1) + 1, q + 1)
-        n_take = torch.minimum(torch.minimum(n_commit, self.max_new - self.n_gen), first_stop)
+        n_take = torch.minimum(torch.minimum(n_commit, self.max_new - n_gen), first_stop)
         n_take = torch.where(done, 0, n_take)
-        idx = self.n_gen[:, None] + j
-        keep = j < n_take[:, None]
-        self.out.scatter_(1, idx, torch.where(keep, choice, self.out.gather(1, idx)))
-        self.n_gen += n_take
-        done = done | (first_stop <= n_take) | (self.n_gen >= self.max_new)
+        idx = n_gen[:, None] + j
+        rows = self.out[live]
+        rows.scatter_(1, idx, torch.where(j < n_take[:, None], choice, rows.gather(1, idx)))
+        self.out[live] = rows
+        n_gen = n_gen + n_take
+        self.n_gen[live] = n_gen
+        done = done | (first_stop <= n_take) | (n_gen >= self.max_new)
         return n_take, done
 
     def steps(self) -> Iterator[list[list[int]]]:
@@ -173,6 +176,7 @@ class _Generation:
         adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft is not None else None)
         capacity = P + self.max_new + B
         adapter.reset(b, capacity)
+        live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
         prompt_len = self.mask.sum(1)
         pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
 
@@ -181,7 +185,7 @@ class _Generation:
                                         slot_valid=self.mask)
         first = choose_tokens(logits[:, -1], self.sampling, self.generator)  # [b]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        _, done = self._commit(first[:, None], torch.ones_like(first), done)
+        _, done = self._commit(live, first[:, None], torch.ones_like(first), done)
         _sync(self.device)
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
@@ -192,11 +196,21 @@ class _Generation:
             dcache.positions[:, :P] = pos
             pending = (feats.masked_fill(~self.mask[..., None], 0), 0)  # features not yet in the draft cache
             mask_block = torch.full((b, B - 1), draft.config.mask_token_id, dtype=torch.long, device=self.device)
-        all_done = bool(done.all())
-        while not all_done:
+        n_done = int(done.sum())
+        while n_done < len(live):
+            if n_done >= max(1, len(live) // 8):
+                # retire finished rows so the batch stops paying for them (one copy of the caches)
+                keep = (~done).nonzero().flatten()
+                live, done, prompt_len = live[keep], done[keep], prompt_len[keep]
+                adapter.select_rows(keep)
+                if draft is not None:
+                    dcache.select_rows(keep)
+                    pending = (pending[0][keep], pending[1])
+                    mask_block = mask_block[:len(keep)]
             p = adapter.pointer
-            anchor = self.out.gather(1, (self.n_gen - 1).clamp(min=0)[:, None])  # [b, 1] last committed token
-            block_pos = (prompt_len + self.n_gen - 1)[:, None] + j  # [b, B] absolute positions of the block
+            n_gen = self.n_gen[live]
+            anchor = self.out[live].gather(1, (n_gen - 1)[:, None])  # [L, 1] last committed token
+            block_pos = (prompt_len + n_gen - 1)[:, None] + j  # [L, B] absolute positions of the block
             if draft is not None:
                 draft.write_context(pending[0], dcache, pending[1])
                 proposal = draft.propose(torch.cat([anchor, mask_block], 1), block_pos, dcache, adapter.valid[:, :p])
@@ -204,18 +218,18 @@ class _Generation:
             else:
                 verify_ids = anchor
             logits, feats = adapter.forward(verify_ids, block_pos, capture=draft is not None)
-            choice = choose_tokens(logits, self.sampling, self.generator)  # [b, B]
+            choice = choose_tokens(logits, self.sampling, self.generator)  # [L, B]
             # accepted drafts: the prefix where draft token i+1 equals the target's choice at i
             accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
             active = ~done
-            n_take, done = self._commit(choice, accepted + 1, done)
+            n_take, done = self._commit(live, choice, accepted + 1, done)
             # cache keeps [anchor, accepted drafts] = the slots before the new anchor
             adapter.valid[:, p:p + B] = j < n_take[:, None]
             if draft is not None:
                 dcache.positions[:, p:p + B] = block_pos
                 pending = (feats, p)
-            advance, all_done, acc = (torch.stack([n_take.max(), done.all().long()]).tolist()
-                                      + [(accepted + 1)[active].tolist()])
+            advance, n_done, acc = (torch.stack([n_take.max(), done.sum()]).tolist()
+                                    + [(accepted + 1)[active].tolist()])
             self.acceptance += acc
             self.num_steps += 1
             adapter.rewind(B - advance)
@@ -228,8 +242,10 @@ class _Generation:
                 adapter.compact(index, new_valid)
                 if draft is not None:
                     dcache.gather_slots(index)
-            n = n_take.tolist()
-            yield [choice[i, :n[i]].tolist() for i in range(b)] if any(n) else [[] for _ in range(b)]
+            step = [[] for _ in range(b)]
+            for r, row, n in zip(live.tolist(), choice.tolist(), n_take.tolist()):
+                step[r] = row[:n]
+            yield step
         _sync(self.device)
         self.total = time.perf_counter() - t0
 
@@ -280,7 +296,8 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     return g.result()
 
 
-def _run(stream) -> GenerationOutput:
+def run(stream) -> GenerationOutput:
+    """Drives a `stream_generate` stream to its end and returns its GenerationOutput."""
     while True:
         try:
             next(stream)
@@ -301,7 +318,7 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
     """
     if draft is None:
         raise DFlashInputError("spec_generate needs a draft; use ar_generate for plain decoding")
-    out = _run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
+    out = run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
                                num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
                                generator=generator))
@@ -313,7 +330,7 @@ def ar_generate(target, input_ids, attention_mask=None, *, max_new_tokens: int =
                 top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
                 return_stats: bool = False):
     """Plain autoregressive decoding through the same loop, cache and sampling code as `spec_generate`."""
-    out = _run(stream_generate(target, None, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+    out = run(stream_generate(target, None, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
                                generator=generator))
     return out if return_stats else out.sequences

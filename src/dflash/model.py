@@ -50,6 +50,11 @@ class DraftKVCache:
         self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # absolute positions
         self.capacity = capacity
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.keys = self.keys.index_select(1, keep)
+        self.values = self.values.index_select(1, keep)
+        self.positions = self.positions.index_select(0, keep)
+
     def gather_slots(self, index: torch.Tensor) -> None:
         """Moves slots so that row b's slot j takes old slot index[b, j] (used to compact the cache)."""
         n = index.shape[1]
@@ -84,24 +89,41 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v  # [b, kv_heads, n, head_dim]
 
-    def forward(self, x, rope_block, ctx_k, ctx_v, ctx_pos, ctx_valid, block_pos):
-        # x: [b, B, H]; ctx_k/ctx_v: [b, kv_heads, T, head_dim]; ctx_pos/ctx_valid: [b, T]; block_pos: [b, B]
-        b, B, _ = x.shape
-        cos, sin = rope_block
-        q = self.q_norm(self.q_proj(x).view(b, B, self.num_heads, self.head_dim)).transpose(1, 2)
+    def forward(self, x, rope_x, ctx_k, ctx_v, mask):
+        # x: [b, Q, H] block states; ctx_k/ctx_v: [b, kv_heads, T, head_dim]; mask: [b, 1, Q, T+Q] bool
+        b, Q, _ = x.shape
+        cos, sin = rope_x
+        q = self.q_norm(self.q_proj(x).view(b, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
-        key_valid = torch.cat([ctx_valid, torch.ones(b, B, dtype=torch.bool, device=x.device)], dim=1)
-        mask = key_valid[:, None, None, :]  # [b, 1, 1|B, T+B]: non-causal, every block slot sees everything
-        if self.sliding_window is not None:
-            key_pos = torch.cat([ctx_pos, block_pos], dim=1)
-            dist = block_pos[:, :, None] - key_pos[:, None, :]  # [b, B, T+B]
-            mask = mask & ((dist >= 0) & (dist < self.sliding_window))[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, B, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, Q, -1))
+
+
+def block_attention_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                         window: int | None) -> torch.Tensor:
+    """[b, 1, Q, K] mask from the keys each query may see. Full-attention layers use `visible` as is
+    (non-causal); sliding-window layers also require 0 <= q_pos - k_pos < window (causal, windowed).
+    visible: [b, Q|1, K] bool; q_pos: [b, Q]; k_pos: [b, K]."""
+    if window is not None:
+        dist = q_pos[:, :, None] - k_pos[:, None, :]
+        visible = visible & (dist >= 0) & (dist < window)
+    return visible[:, None]
+
+
+def layer_masks(config, visible, q_pos, k_pos) -> list[torch.Tensor]:
+    """One mask per draft layer (layers of the same kind share theirs)."""
+    cache = {}
+    out = []
+    for t in config.layer_types:
+        window = config.sliding_window if t == SLIDING_ATTENTION else None
+        if window not in cache:
+            cache[window] = block_attention_mask(visible, q_pos, k_pos, window)
+        out.append(cache[window])
+    return out
 
 
 class DFlashMLP(nn.Module):
@@ -271,14 +293,21 @@ class DFlashDraftModel(nn.Module):
         block_ids, block_pos: [b, B] ([anchor, MASK, ...] at positions start..start+B-1).
         ctx_valid: [b, T] which of the first T cache slots are committed context of each row.
         """
-        T = ctx_valid.shape[1]
-        x = self.embed_tokens(block_ids)  # [b, B, H]
-        rope_block = self.rotary_emb(x, block_pos)
-        ctx_pos = cache.positions[:, :T]
-        for i, layer in enumerate(self.layers):
-            h = layer.self_attn(layer.input_layernorm(x), rope_block, cache.keys[i, :, :, :T],
-                                cache.values[i, :, :, :T], ctx_pos, ctx_valid, block_pos)
-            x = x + h
+        b, T = ctx_valid.shape
+        B = block_ids.shape[1]
+        # every block slot sees all committed context and the whole block (sliding layers narrow this)
+        visible = torch.cat([ctx_valid, ctx_valid.new_ones(b, B)], 1)[:, None, :]
+        masks = layer_masks(self.config, visible, block_pos, torch.cat([cache.positions[:, :T], block_pos], 1))
+        return self.run_layers(self.embed_tokens(block_ids), block_pos,
+                               [(cache.keys[i, :, :, :T], cache.values[i, :, :, :T]) for i in range(len(self.layers))],
+                               masks)
+
+    def run_layers(self, x, x_pos, ctx_kv, masks) -> torch.Tensor:
+        """The decoder stack over block states x [b, Q, H] at positions x_pos [b, Q], with each layer's context
+        keys/values ctx_kv[i] and attention mask masks[i]."""
+        rope_x = self.rotary_emb(x, x_pos)
+        for layer, (k, v), mask in zip(self.layers, ctx_kv, masks):
+            x = x + layer.self_attn(layer.input_layernorm(x), rope_x, k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

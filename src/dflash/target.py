@@ -65,6 +65,15 @@ class TargetAdapter:
             self.cache.crop(-n)
             self.pointer -= n
 
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keeps only batch rows `keep` (finished rows leave the batch)."""
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+                layer.batch_size = len(keep)
+        self.valid = self.valid.index_select(0, keep)
+
     def compaction_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index [b, m] that right-aligns each row's valid slots (as left padding would), and the new valid mask."""
         valid = self.valid[:, :self.pointer]

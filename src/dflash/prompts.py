@@ -1,0 +1,123 @@
+"""Prompt sets: JSONL files or folders of them, and the named benchmark/training sets.
+
+A record gives its conversation as `messages` (OpenAI style), `prompt` (a string), or `turns` (a list of user
+turns; the first is used). Named sets (`gsm8k:train`, `mbpp:train`, `chat`, ...) are read from a data folder:
+`--data-dir`, else $DFLASH_DATA_DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import DFlashError
+
+
+@dataclass
+class Prompt:
+    id: str  # "<file or set>:<line>"
+    messages: list[dict]
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class BadLine:
+    where: str  # "file:line"
+    reason: str
+
+
+def _mbpp_text(r):
+    tests = "\n".join(r.get("test_list", []))
+    return f"{r['text']}\nYour code should pass these tests:\n{tests}" if tests else r["text"]
+
+
+# name -> (relative file, record filter, prompt text from record)
+NAMED_SETS = {
+    "chat": ("chat/prompts.jsonl", None, lambda r: r["prompt"]),
+    "gsm8k:train": ("gsm8k/train.jsonl", None, lambda r: r["question"]),
+    "gsm8k:test": ("gsm8k/test.jsonl", None, lambda r: r["question"]),
+    "math500": ("math500/test.jsonl", None, lambda r: r["problem"]),
+    "mbpp:train": ("mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974, _mbpp_text),
+    "mbpp:test": ("mbpp/mbpp.jsonl", lambda r: 11 <= r["task_id"] <= 510, _mbpp_text),
+}
+
+
+def data_dir(explicit: str | os.PathLike | None = None) -> Path:
+    d = explicit or os.environ.get("DFLASH_DATA_DIR")
+    if not d:
+        raise DFlashError("named prompt sets need a data folder: pass --data-dir or set DFLASH_DATA_DIR")
+    if not Path(d).is_dir():
+        raise DFlashError(f"data folder does not exist: {d}")
+    return Path(d)
+
+
+def record_messages(record) -> list[dict] | None:
+    """The conversation of one JSONL record, or None if it has no usable prompt."""
+    if not isinstance(record, dict):
+        return None
+    if isinstance(record.get("messages"), list):
+        msgs = [m for m in record["messages"] if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        # train/answer on the conversation up to its last user turn
+        while msgs and msgs[-1].get("role") != "user":
+            msgs.pop()
+        return msgs if msgs and any(m["content"].strip() for m in msgs) else None
+    if isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        return [{"role": "user", "content": record["prompt"]}]
+    turns = record.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
+        return [{"role": "user", "content": turns[0]}]
+    return None
+
+
+def _jsonl_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*.jsonl") if p.is_file())
+    if path.is_file():
+        return [path]
+    raise DFlashError(f"prompt file or folder does not exist: {path}")
+
+
+def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | None = None,
+                 warn=True) -> list[Prompt]:
+    """All prompts of `sources` (files, folders, or named sets), in a fixed order. Bad lines are reported
+    (file and line number) and skipped."""
+    bad = [] if bad is None else bad
+    out: list[Prompt] = []
+    for src in sources:
+        if src in NAMED_SETS:
+            rel, keep, text = NAMED_SETS[src]
+            path = data_dir(data_dir_path) / rel
+            for lineno, record in _iter_jsonl(path, bad):
+                if keep is None or keep(record):
+                    content = text(record)
+                    out.append(Prompt(f"{src}:{lineno}", [{"role": "user", "content": content}],
+                                      {k: v for k, v in record.items() if k in ("answer", "task_id", "unique_id")}))
+            continue
+        for path in _jsonl_files(Path(src)):
+            for lineno, record in _iter_jsonl(path, bad):
+                msgs = record_messages(record)
+                if msgs is None:
+                    bad.append(BadLine(f"{path}:{lineno}", "no prompt (needs a non-empty 'prompt', 'messages' "
+                                                           "or 'turns')"))
+                    continue
+                out.append(Prompt(f"{path}:{lineno}", msgs))
+    if warn:
+        for b in bad:
+            print(f"dflash: skipped {b.where}: {b.reason}", file=sys.stderr)
+    return out
+
+
+def _iter_jsonl(path: Path, bad: list[BadLine]):
+    if not path.is_file():
+        raise DFlashError(f"prompt file does not exist: {path}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                bad.append(BadLine(f"{path}:{lineno}", f"invalid JSON ({e.msg})"))

@@ -1,0 +1,186 @@
+"""`dflash regenerate`: answers to training prompts, written by the target itself, as a resumable dataset.
+
+The prompts are put in a fixed order (by token length, so batches pad little) and cut into fixed chunks of
+`batch_size`; chunk k becomes shard `shard-<start>-<end>.jsonl`, written atomically. A restarted run skips
+the chunks whose shards exist, so nothing is generated twice and nothing is lost. Sampling seeds depend only
+on the chunk, so a resumed run writes exactly what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import DFlashError
+from .io import atomic_write_text
+from .prompts import BadLine, read_prompts
+
+SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
+
+
+@dataclass
+class RegenerateConfig:
+    sources: list[str]
+    output: str
+    model: str
+    draft: str | None = None
+    max_new_tokens: int = 512
+    max_prompt_tokens: int = 1024
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    batch_size: int = 32
+    limit: int | None = None  # first N prompts of the fixed order only
+    seed: int = 0
+    system: str | None = None
+
+    def identity(self) -> dict:
+        """Settings a resumed run must share with the run that started the folder."""
+        d = asdict(self)  # batch_size stays: chunk boundaries must not move
+        del d["output"], d["limit"]
+        return d
+
+
+def encode_prompt(tokenizer, messages: list[dict], system: str | None = None) -> list[int]:
+    if system:
+        messages = [{"role": "system", "content": system}] + messages
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), P, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):] = torch.tensor(r)
+        mask[i, P - len(r):] = 1
+    return ids, mask
+
+
+def fixed_order(items: list, batch_size: int, seed: int, window: int = 8) -> list:
+    """A seeded shuffle (early shards mix every source), then sorted by prompt length within windows of
+    `window` batches (so a batch pads little)."""
+    g = torch.Generator().manual_seed(seed)
+    items = [items[i] for i in torch.randperm(len(items), generator=g).tolist()]
+    span = batch_size * window
+    return [x for k in range(0, len(items), span) for x in sorted(items[k:k + span], key=lambda pi: len(pi[1]))]
+
+
+def done_chunks(output: Path) -> set[int]:
+    return {int(m.group(1)) for p in output.glob("shard-*.jsonl") if (m := SHARD.match(p.name))}
+
+
+def _check_manifest(output: Path, cfg: RegenerateConfig) -> None:
+    path = output / "manifest.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("settings") != cfg.identity():
+            diff = {k: (old.get("settings", {}).get(k), v) for k, v in cfg.identity().items()
+                    if old.get("settings", {}).get(k) != v}
+            raise DFlashError(f"{output} was started with other settings {diff} (old, new); "
+                              "use another output folder or the same settings to resume")
+    else:
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"settings": cfg.identity()}, indent=2) + "\n")
+
+
+def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None, data_dir=None,
+               progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from .generate import default_stop_token_ids, stream_generate
+    from .generate import run as run_stream
+    from .loading import load_draft, load_target
+
+    output = Path(cfg.output)
+    _check_manifest(output, cfg)
+    bad: list[BadLine] = []
+    prompts = read_prompts(cfg.sources, data_dir, bad)
+    if target is None:
+        target, tokenizer = load_target(cfg.model)
+    if draft is None and cfg.draft:
+        draft = load_draft(cfg.draft, target)
+    encoded, too_long = [], []
+    for p in prompts:
+        ids = encode_prompt(tokenizer, p.messages, cfg.system)
+        (encoded if len(ids) <= cfg.max_prompt_tokens else too_long).append((p, ids))
+    for p, ids in too_long:
+        print(f"dflash: skipped {p.id}: prompt has {len(ids)} tokens > --max-prompt-tokens {cfg.max_prompt_tokens}",
+              file=sys.stderr)
+    encoded = fixed_order(encoded, cfg.batch_size, cfg.seed)
+    if cfg.limit is not None:
+        encoded = encoded[:cfg.limit]
+    n = len(encoded)
+    starts = list(range(0, n, cfg.batch_size))
+    finished = done_chunks(output)
+    todo = [s for s in starts if s not in finished]
+    stop_ids = default_stop_token_ids(target)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    t0, new_tokens, written = time.perf_counter(), 0, 0
+    bar = tqdm(total=n, initial=n - sum(min(cfg.batch_size, n - s) for s in todo), unit="sample",
+               desc="regenerate", disable=not progress, dynamic_ncols=True)
+    for s in todo:
+        chunk = encoded[s:s + cfg.batch_size]
+        ids, mask = left_pad([c[1] for c in chunk], pad_id)
+        gen = torch.Generator(device=next(target.parameters()).device).manual_seed(cfg.seed * 1_000_003 + s)
+        kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                  stop_token_ids=stop_ids, generator=gen)
+        out = run_stream(stream_generate(target, draft, ids, mask, **kw))
+        lines = []
+        for i, (prompt, prompt_ids) in enumerate(chunk):
+            k = out.num_new_tokens[i]
+            answer = out.sequences[i, ids.shape[1]:ids.shape[1] + k].tolist()
+            finish = "stop" if answer and answer[-1] in stop_ids else "length"
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            lines.append(json.dumps({
+                "id": prompt.id, "messages": prompt.messages + [{"role": "assistant", "content": text}],
+                "input_ids": prompt_ids + answer, "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
+                "num_prompt_tokens": len(prompt_ids), "finish_reason": finish,
+            }, ensure_ascii=False))
+            new_tokens += k
+        atomic_write_text(output / f"shard-{s:06d}-{s + len(chunk):06d}.jsonl", "\n".join(lines) + "\n")
+        written += len(chunk)
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    summary = {"output": str(output), "samples": n, "written_now": written, "answer_tokens_now": new_tokens,
+               "seconds": round(time.perf_counter() - t0, 1), "bad_lines": len(bad), "too_long": len(too_long)}
+    print(f"dflash regenerate: {n} samples in {output} ({written} written now, {new_tokens} answer tokens, "
+          f"{summary['seconds']} s); skipped {len(bad)} bad lines and {len(too_long)} over-long prompts",
+          file=sys.stderr)
+    return summary
+
+
+def read_dataset(paths: list[str | os.PathLike]) -> list[dict]:
+    """Records of one or more regenerated dataset folders (or single shard files), in shard order."""
+    records = []
+    for path in map(Path, paths):
+        files = sorted(path.glob("shard-*.jsonl")) if path.is_dir() else [path]
+        if not files:
+            raise DFlashError(f"no dataset shards (shard-*.jsonl) in {path}")
+        for f in files:
+            with open(f, encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        r = json.loads(line)
+                        ids, lm = r["input_ids"], r["loss_mask"]
+                    except (json.JSONDecodeError, KeyError, TypeError) as e:
+                        print(f"dflash: skipped {f}:{lineno}: not a dataset record ({e})", file=sys.stderr)
+                        continue
+                    if len(ids) != len(lm) or not any(lm):
+                        print(f"dflash: skipped {f}:{lineno}: loss_mask does not fit input_ids", file=sys.stderr)
+                        continue
+                    records.append(r)
+    return records

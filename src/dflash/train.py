@@ -1,0 +1,505 @@
+"""`dflash train`: the DFlash training recipe (packed anchors, KV-injected context, decayed loss weights).
+
+Per sequence: the target's features at every position are the context; up to `num_anchors` random answer
+positions become anchors; anchor a gets the block [x_a, MASK, ...] at positions a..a+B-1, whose queries see
+context strictly before a and their own block both ways, never another block. Slot k predicts x_{a+k}, with
+weight exp(-(k-1)/gamma). All blocks of a sequence run in one packed forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import DFlashError
+from .io import atomic_write_text
+from .model import DFlashDraftModel, layer_masks
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m-instruct"
+    data: list[str] = field(default_factory=list)
+    output: str = "runs/draft"
+    features: str | None = None  # folder written by `dflash features`
+    init_draft: str | None = None  # start from these weights instead of a fresh draft
+    num_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    num_target_features: int | None = None  # how many target layers to tap when ids are not given
+    mask_token_id: int | None = None
+    num_anchors: int = 512
+    gamma: float | None = None  # None: 7 for B=16, scaled with B otherwise
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of all steps
+    weight_decay: float = 0.0
+    epochs: int = 6
+    max_steps: int | None = None  # stop after this many optimizer steps (the schedule still spans all epochs)
+    max_length: int = 3072
+    batch_size: int = 1  # sequences per optimizer step per process (before accumulation)
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    dtype: str = "bfloat16"  # the target's dtype (the draft trains in fp32)
+    save_dtype: str = "float32"
+    seed: int = 0
+    save_interval: int = 500
+    eval_interval: int = 500
+    eval_samples: int = 8
+    eval_max_new_tokens: int = 64
+    log_interval: int = 10
+    resume: bool = False
+    device: str | None = None
+    threads: int | None = None
+
+    def resolved_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else 7.0 * (self.block_size - 1) / 15
+
+    @classmethod
+    def from_yaml(cls, path) -> dict:
+        import yaml
+
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise DFlashError(f"{path}: expected a mapping of option names to values")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k.replace("-", "_") for k in d if k.replace("-", "_") not in names)
+        if unknown:
+            raise DFlashError(f"{path}: unknown options {unknown}")
+        return {k.replace("-", "_"): v for k, v in d.items()}
+
+
+# ---- the recipe's pieces (unit-tested on their own) ------------------------------------------------------
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block slots k = 1..B-1 (slot 0, the anchor, predicts nothing)."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def valid_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Answer positions a whose token and next token are both supervised. loss_mask: [T] -> [n] indices."""
+    lm = loss_mask.bool()
+    ok = lm[:-1] & lm[1:]
+    return ok.nonzero().flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    cand = valid_anchors(loss_mask)
+    if len(cand) > num_anchors:
+        cand = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
+    return cand
+
+
+def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 mask_token_id: int):
+    """Packed blocks for one sequence.
+
+    Returns block_ids [n*B] ([x_a, MASK...] per anchor), block_pos [n*B] (a..a+B-1), labels [n, B-1]
+    (x_{a+k} for slot k, -100 past the end or on unsupervised tokens).
+    """
+    T = input_ids.shape[0]
+    B = block_size
+    offs = torch.arange(B)
+    pos = anchors[:, None] + offs  # [n, B]
+    block_ids = torch.full((len(anchors), B), mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = input_ids[anchors]
+    tgt = pos[:, 1:]
+    inside = tgt < T
+    safe = tgt.clamp(max=T - 1)
+    labels = torch.where(inside & loss_mask[safe].bool(), input_ids[safe], torch.full_like(safe, -100))
+    return block_ids.flatten(), pos.flatten(), labels
+
+
+def training_visibility(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
+    """[n*B, T + n*B] bool: block i's queries see context positions < anchor_i and every slot of block i."""
+    n = len(anchors)
+    q_anchor = anchors.repeat_interleave(block_size)  # [n*B]
+    ctx = torch.arange(T)[None, :] < q_anchor[:, None]
+    blk_of_q = torch.arange(n).repeat_interleave(block_size)
+    blocks = blk_of_q[:, None] == blk_of_q[None, :]
+    return torch.cat([ctx, blocks], 1)
+
+
+class DFlashTrainStep(nn.Module):
+    """Loss of one sequence; a module so DistributedDataParallel can wrap it."""
+
+    def __init__(self, draft: DFlashDraftModel, gamma: float):
+        super().__init__()
+        self.draft = draft
+        self.register_buffer("weights", loss_weights(draft.config.block_size, gamma), persistent=False)
+
+    def block_hidden(self, features, input_ids, anchors):
+        """Final hidden states [n, B, H] of every anchor's block, all blocks in one packed forward.
+        features: [T, n_ids*H]; input_ids: [T]; anchors: [n]."""
+        d = self.draft
+        cfg = d.config
+        B, T = cfg.block_size, input_ids.shape[0]
+        dev = features.device
+        block_ids, block_pos, _ = block_inputs(input_ids.cpu(), torch.ones(T, dtype=torch.long), anchors.cpu(), B,
+                                               cfg.mask_token_id)
+        block_ids, block_pos = block_ids.to(dev), block_pos.to(dev)
+        ctx = d.project_context(features.to(d.fc.weight.dtype))[None]  # [1, T, H]
+        ctx_pos = torch.arange(T, device=dev)[None]
+        rope_ctx = d.rotary_emb(ctx, ctx_pos)
+        ctx_kv = [layer.self_attn.kv(ctx, *rope_ctx) for layer in d.layers]
+        visible = training_visibility(anchors.cpu(), T, B).to(dev)[None]
+        masks = layer_masks(cfg, visible, block_pos[None], torch.cat([ctx_pos, block_pos[None]], 1))
+        x = d.embed_tokens(block_ids[None]).to(d.fc.weight.dtype)
+        return d.run_layers(x, block_pos[None], ctx_kv, masks).view(len(anchors), B, -1)
+
+    def forward(self, features, input_ids, loss_mask, anchors):
+        """Weighted loss of one sequence, and (correct, counted) predictions per block slot."""
+        d = self.draft
+        _, _, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(), d.config.block_size,
+                                    d.config.mask_token_id)
+        labels = labels.to(features.device)
+        hidden = self.block_hidden(features, input_ids, anchors)[:, 1:]  # predictions come from the mask slots
+        keep = labels != -100
+        w = self.weights.to(features.device).expand_as(labels)[keep]
+        logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
+        ce = F.cross_entropy(logits, labels[keep], reduction="none")
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+        with torch.no_grad():
+            correct = torch.zeros_like(labels, dtype=torch.float32)
+            correct[keep] = (logits.argmax(-1) == labels[keep]).float()
+        return loss, (correct.sum(0), keep.float().sum(0))
+
+
+# ---- target features -------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def target_features(target, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
+    """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]."""
+    from .target import decoder_layers
+
+    layers = decoder_layers(target)
+    got = {}
+    hooks = [layers[i].register_forward_hook(
+        lambda m, a, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in layer_ids]
+    try:
+        # only the layers up to the deepest tap matter, but HF runs them all; logits_to_keep=1 skips the big head
+        target(input_ids=input_ids[None].to(target.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([got[i][0] for i in layer_ids], -1)
+
+
+class FeatureStore:
+    """Target features cached on disk by `dflash features`: one safetensors shard per chunk of records."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        path = self.folder / "manifest.json"
+        if not path.is_file():
+            raise DFlashError(f"no features manifest in {folder} (run `dflash features` first)")
+        self.manifest = json.loads(path.read_text())
+        self.chunk = self.manifest["chunk"]
+        self._open: tuple[int, dict] | None = None
+
+    def check(self, layer_ids, fingerprint):
+        if self.manifest["target_layer_ids"] != list(layer_ids):
+            raise DFlashError(f"features in {self.folder} tap layers {self.manifest['target_layer_ids']}, "
+                              f"the draft needs {list(layer_ids)}")
+        if self.manifest["fingerprint"] != fingerprint:
+            raise DFlashError(f"features in {self.folder} were computed for another dataset")
+        missing = [s for s in range(0, self.manifest["num_records"], self.chunk)
+                   if not (self.folder / f"features-{s:07d}.safetensors").is_file()]
+        if missing:
+            raise DFlashError(f"features in {self.folder} are incomplete ({len(missing)} shards missing); "
+                              "rerun `dflash features` to finish them")
+
+    def get(self, idx: int) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        s = idx - idx % self.chunk
+        if self._open is None or self._open[0] != s:
+            self._open = (s, load_file(str(self.folder / f"features-{s:07d}.safetensors")))
+        return self._open[1][str(idx)]
+
+
+def dataset_fingerprint(records: list[dict], max_length: int) -> str:
+    import hashlib
+
+    h = hashlib.sha256(str(max_length).encode())
+    for r in records:
+        h.update(json.dumps(r["input_ids"][:max_length]).encode())
+    return h.hexdigest()[:16]
+
+
+def compute_features(target, records, layer_ids, output, *, max_length, dtype, chunk=64, progress=True):
+    """Writes every record's target features to `output` (resumable, one atomic shard per chunk)."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from .io import atomic_path
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    fp = dataset_fingerprint(records, max_length)
+    manifest = {"target_layer_ids": list(layer_ids), "fingerprint": fp, "num_records": len(records),
+                "chunk": chunk, "max_length": max_length, "dtype": dtype}
+    mpath = out / "manifest.json"
+    if mpath.is_file():
+        old = json.loads(mpath.read_text())
+        if old != manifest:
+            raise DFlashError(f"{out} holds features made with other settings; use another folder")
+    else:
+        atomic_write_text(mpath, json.dumps(manifest, indent=2) + "\n")
+    todo = [s for s in range(0, len(records), chunk) if not (out / f"features-{s:07d}.safetensors").is_file()]
+    bar = tqdm(total=len(records), initial=len(records) - sum(min(chunk, len(records) - s) for s in todo),
+               unit="seq", desc="features", disable=not progress, dynamic_ncols=True)
+    for s in todo:
+        tensors = {}
+        for i in range(s, min(s + chunk, len(records))):
+            ids = torch.tensor(records[i]["input_ids"][:max_length])
+            tensors[str(i)] = target_features(target, layer_ids, ids).to(getattr(torch, dtype)).cpu().contiguous()
+            bar.update(1)
+        with atomic_path(out / f"features-{s:07d}.safetensors") as tmp:
+            save_file(tensors, tmp)
+    bar.close()
+    return manifest
+
+
+# ---- the loop --------------------------------------------------------------------------------------------
+
+def _dist():
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: dict, save_dtype: str,
+                     keep: int = 2) -> Path:
+    """Draft (published format) + optimizer, scheduler, RNG and data position, in one atomic folder."""
+    import tempfile
+
+    final = out / f"checkpoint-{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out))
+    try:
+        save_draft(draft, tmp, save_dtype)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": torch.get_rng_state(), **state}, tmp / "trainer_state.pt")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    atomic_write_text(out / "latest", final.name + "\n")
+    for old in sorted(out.glob("checkpoint-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_draft(draft: DFlashDraftModel, folder, dtype: str) -> None:
+    """Saves a copy of the draft in `dtype` (training keeps fp32 masters)."""
+    copy = DFlashDraftModel(draft.config)
+    copy.load_state_dict(draft.state_dict())
+    copy.to(getattr(torch, dtype)).save_pretrained(folder)
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    p = out / "latest"
+    if p.is_file():
+        ckpt = out / p.read_text().strip()
+        if (ckpt / "trainer_state.pt").is_file():
+            return ckpt
+    return None
+
+
+def lr_lambda(total: int, warmup_steps: int):
+    def f(step):
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total - warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return f
+
+
+def evaluate_tau(target, draft, records, max_new_tokens) -> float:
+    """τ of real greedy speculative decoding on the prompts of `records`."""
+    from .generate import spec_generate
+
+    acc = []
+    draft.eval()
+    for r in records:
+        ids = torch.tensor([r["input_ids"][:r.get("num_prompt_tokens", len(r["input_ids"]))]])
+        out = spec_generate(target, draft, ids, max_new_tokens=max_new_tokens, return_stats=True)
+        acc += out.acceptance_lengths
+    draft.train()
+    return sum(acc) / max(1, len(acc))
+
+
+def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    from .loading import load_draft, load_target
+    from .regenerate import read_dataset
+
+    rank, world = _dist()
+    is_main = rank == 0
+    out = Path(cfg.output)
+    if not cfg.data:
+        raise DFlashError("no training data: pass one or more dataset folders (from `dflash regenerate`)")
+    if target is None:
+        device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+        target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=device, threads=cfg.threads)
+    target.requires_grad_(False)
+    device = target.device
+    records = read_dataset(cfg.data)
+    if len(records) <= cfg.eval_samples:
+        raise DFlashError(f"only {len(records)} usable records: need more than eval_samples={cfg.eval_samples}")
+    fingerprint = dataset_fingerprint(records, cfg.max_length)
+    g = torch.Generator().manual_seed(cfg.seed)
+    perm = torch.randperm(len(records), generator=g).tolist()
+    eval_idx, train_idx = perm[:cfg.eval_samples], sorted(perm[cfg.eval_samples:])
+
+    resume_from = latest_checkpoint(out) if cfg.resume else None
+    if resume_from is not None:
+        draft = DFlashDraftModel.from_pretrained(resume_from, target=target, dtype=torch.float32)
+    elif cfg.init_draft:
+        draft = load_draft(cfg.init_draft, target, dtype=torch.float32)
+    else:
+        torch.manual_seed(cfg.seed)
+        draft = DFlashDraftModel.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
+                                             target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
+                                             tokenizer=tokenizer, num_target_features=cfg.num_target_features)
+        draft.to(torch.float32)
+    draft.train()
+    layer_ids = draft.config.target_layer_ids
+    store = None
+    if cfg.features:
+        store = FeatureStore(cfg.features)
+        store.check(layer_ids, fingerprint)
+
+    step_module = DFlashTrainStep(draft, cfg.resolved_gamma())
+    model = step_module
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    global_batch = cfg.batch_size * cfg.grad_accum * world
+    steps_per_epoch = max(1, len(train_idx) // global_batch)
+    total_steps = steps_per_epoch * cfg.epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, int(cfg.warmup * total_steps)))
+    step = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        step = state["step"]
+        if state.get("fingerprint") != fingerprint:
+            raise DFlashError(f"{resume_from} was trained on other data; resume with the same data")
+    last = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "train_config.json", json.dumps(
+            {**asdict(cfg), "mask_token_id": draft.config.mask_token_id, "target_layer_ids": layer_ids,
+             "gamma": cfg.resolved_gamma(), "train_records": len(train_idx), "eval_records": len(eval_idx),
+             "total_steps": total_steps, "world_size": world}, indent=2) + "\n")
+        print(f"dflash train: {len(train_idx)} sequences, {steps_per_epoch} steps/epoch x {cfg.epochs} epochs, "
+              f"global batch {global_batch}, draft {sum(p.numel() for p in params) / 1e6:.1f}M params, "
+              f"layers {layer_ids}, mask token {draft.config.mask_token_id}", file=sys.stderr)
+    writer = None
+    if is_main:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(out / "tb"))
+        except Exception:  # TensorBoard is optional
+            writer = None
+    log_path = out / "log.jsonl"
+    bar = tqdm(total=last, initial=step, unit="step", desc="train", disable=not (progress and is_main),
+               dynamic_ncols=True)
+    t0 = time.perf_counter()
+    window_loss, window_n = 0.0, 0
+    slot_correct = torch.zeros(cfg.block_size - 1)
+    slot_total = torch.zeros(cfg.block_size - 1)
+    tau = None
+    while step < last:
+        epoch, in_epoch = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch))
+        start = in_epoch * global_batch
+        batch = [train_idx[i] for i in order[start:start + global_batch].tolist()][rank::world]
+        optimizer.zero_grad(set_to_none=True)
+        for micro, idx in enumerate(batch):
+            r = records[idx]
+            ids = torch.tensor(r["input_ids"][:cfg.max_length])
+            lm = torch.tensor(r["loss_mask"][:cfg.max_length])
+            ag = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch * 100_003 + idx)
+            anchors = sample_anchors(lm, cfg.num_anchors, ag)
+            feats = store.get(idx) if store is not None else target_features(target, layer_ids, ids)
+            feats = feats.to(device)
+            sync = world == 1 or micro == len(batch) - 1
+            ctx = model.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
+            with ctx:
+                if len(anchors) == 0:  # nothing to learn here; keep DDP's collectives in step
+                    loss = sum(p.sum() * 0 for p in params)
+                    per_slot = (torch.zeros(cfg.block_size - 1), torch.zeros(cfg.block_size - 1))
+                else:
+                    loss, per_slot = model(feats, ids.to(device), lm.to(device), anchors.to(device))
+                (loss / len(batch)).backward()
+            window_loss += loss.item()
+            window_n += 1
+            slot_correct += per_slot[0].cpu()
+            slot_total += per_slot[1].cpu()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        if is_main and (step % cfg.log_interval == 0 or step == last):
+            acc = (slot_correct / slot_total.clamp(min=1)).tolist()
+            entry = {"step": step, "epoch": epoch, "loss": window_loss / max(1, window_n),
+                     "lr": scheduler.get_last_lr()[0], "acc_slot1": acc[0], "acc_by_slot": [round(a, 4) for a in acc],
+                     "seconds": round(time.perf_counter() - t0, 1)}
+            _log(log_path, writer, entry)
+            bar.set_postfix(loss=f"{entry['loss']:.3f}", acc1=f"{acc[0]:.2f}")
+            window_loss, window_n = 0.0, 0
+            slot_correct.zero_()
+            slot_total.zero_()
+        if is_main and (step % cfg.eval_interval == 0 or step == last) and cfg.eval_samples:
+            tau = evaluate_tau(target, draft, [records[i] for i in eval_idx], cfg.eval_max_new_tokens)
+            _log(log_path, writer, {"step": step, "eval_tau": tau})
+            bar.set_postfix(tau=f"{tau:.2f}")
+        if is_main and (step % cfg.save_interval == 0 or step == last):
+            _save_checkpoint(out, step, draft, optimizer, scheduler, {"step": step, "fingerprint": fingerprint},
+                             cfg.save_dtype)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+    bar.close()
+    if is_main:
+        save_draft(draft, out / "final", cfg.save_dtype)
+        if writer is not None:
+            writer.close()
+    return {"step": step, "tau": tau, "output": str(out)}
+
+
+def _log(path: Path, writer, entry: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    if writer is not None:
+        for k, v in entry.items():
+            if isinstance(v, (int, float)) and k != "step":
+                writer.add_scalar(k, v, entry["step"])

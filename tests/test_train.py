@@ -1,0 +1,291 @@
+"""Training: the recipe's pieces, end-to-end learning, exact resume, features cache, two processes, bad data."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, spec_generate
+from dflash.errors import DFlashError
+from dflash.model import DraftKVCache
+from dflash.regenerate import RegenerateConfig, read_dataset, regenerate
+from dflash.train import (DFlashTrainStep, TrainConfig, block_inputs, compute_features, loss_weights,
+                          sample_anchors, target_features, train, training_visibility, valid_anchors)
+from structured import make_tokenizer, trained_target, write_prompts
+from tiny import tiny_target
+
+MASK = 38
+
+
+def test_loss_weights_decay_from_one():
+    w = loss_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0
+    assert torch.allclose(w, torch.exp(-torch.arange(15) / 7.0))
+    assert (w[1:] < w[:-1]).all()
+
+
+def test_labels_align_with_block_slots():
+    ids = torch.arange(100, 112)  # T = 12
+    lm = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 1])
+    anchors = torch.tensor([4, 9])
+    block_ids, pos, labels = block_inputs(ids, lm, anchors, 4, MASK)
+    assert block_ids.tolist() == [104, MASK, MASK, MASK, 109, MASK, MASK, MASK]
+    assert pos.tolist() == [4, 5, 6, 7, 9, 10, 11, 12]
+    # slot k predicts x_{a+k}; unsupervised (position 10) and past-the-end (12) targets are ignored
+    assert labels.tolist() == [[105, 106, 107], [-100, 111, -100]]
+
+
+def test_anchors_only_where_answer_continues():
+    lm = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])
+    assert valid_anchors(lm).tolist() == [2, 3, 6]
+    g = torch.Generator().manual_seed(0)
+    a = sample_anchors(torch.ones(50, dtype=torch.long), 10, g)
+    assert len(a) == 10 and a.tolist() == sorted(set(a.tolist())) and a.max() < 49
+
+
+def test_attention_mask_which_keys_each_block_query_sees():
+    T, B = 10, 3
+    anchors = torch.tensor([2, 6])
+    vis = training_visibility(anchors, T, B)
+    assert vis.shape == (2 * B, T + 2 * B)
+    for q in range(2 * B):
+        blk = q // B
+        a = anchors[blk].item()
+        for k in range(T):  # context strictly before the anchor
+            assert vis[q, k].item() == (k < a)
+        for kb in range(2 * B):  # its own block, both ways; never the other block
+            assert vis[q, T + kb].item() == (kb // B == blk)
+
+
+def test_packed_training_forward_equals_inference_forward():
+    """The packed multi-anchor forward gives each block exactly what the generation-time draft computes."""
+    target = tiny_target("qwen3", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 2])
+    ids = torch.randint(3, 96, (14,), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, [0, 2], ids)
+    anchors = torch.tensor([3, 8, 12])
+    with torch.no_grad():
+        packed = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors)
+        for i, a in enumerate(anchors.tolist()):
+            cache = DraftKVCache(draft.config, 1, 32, "cpu", torch.float32)
+            cache.positions[0, :a] = torch.arange(a)
+            draft.write_context(feats[None, :a], cache, 0)
+            block = torch.tensor([[ids[a].item()] + [draft.config.mask_token_id] * 3])
+            hidden = draft(block, torch.arange(a, a + 4)[None], cache, torch.ones(1, a, dtype=torch.bool))
+            assert torch.allclose(packed[i], hidden[0], atol=1e-5), i
+
+
+@pytest.fixture(scope="module")
+def lang(tmp_path_factory):
+    """The structured tiny target, its tokenizer, and a regenerated dataset of its own answers."""
+    root = tmp_path_factory.mktemp("lang")
+    target, tok = trained_target(), make_tokenizer()
+    prompts = write_prompts(root / "prompts.jsonl", 48)
+    regenerate(RegenerateConfig(sources=[str(prompts)], output=str(root / "data"), model="structured",
+                                max_new_tokens=40, batch_size=16), target=target, tokenizer=tok, progress=False)
+    return target, tok, root
+
+
+def cfg_for(root, out, **kw):
+    base = dict(target="structured", data=[str(root / "data")], output=str(out), block_size=8, num_anchors=32,
+                epochs=15, lr=3e-3, eval_samples=4, eval_interval=10_000, save_interval=10_000, log_interval=50,
+                dtype="float32", mask_token_id=MASK)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_regenerated_dataset_is_the_targets_own_greedy_text(lang):
+    target, tok, root = lang
+    records = read_dataset([root / "data"])
+    assert len(records) == 48
+    r = records[0]
+    n = r["num_prompt_tokens"]
+    assert r["loss_mask"] == [0] * n + [1] * (len(r["input_ids"]) - n)
+    ref = target.generate(torch.tensor([r["input_ids"][:n]]), max_new_tokens=40, do_sample=False)
+    assert r["input_ids"] == ref[0].tolist()[:len(r["input_ids"])]
+    assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
+
+
+def test_end_to_end_draft_learns(lang, tmp_path):
+    target, tok, root = lang
+    records = read_dataset([root / "data"])
+    prompts = [torch.tensor([r["input_ids"][:r["num_prompt_tokens"]]]) for r in records[:12]]
+
+    def tau(draft):
+        acc = []
+        for p in prompts:
+            acc += spec_generate(target, draft, p, max_new_tokens=32, return_stats=True).acceptance_lengths
+        return sum(acc) / len(acc)
+
+    fresh = DFlashDraftModel.from_target(target, block_size=8, mask_token_id=MASK)
+    assert tau(fresh) < 1.5
+    result = train(cfg_for(root, tmp_path / "run"), target=target, tokenizer=tok, progress=False)
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "final", target=target)
+    assert draft.config.mask_token_id == MASK and draft.config.block_size == 8
+    trained = tau(draft)
+    assert trained >= 3.0, trained
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    losses = [e["loss"] for e in log if "loss" in e]
+    assert losses[-1] < 0.5 * losses[0]
+    assert any("eval_tau" in e for e in log) and result["tau"] is not None
+
+
+def test_resume_is_exact(lang, tmp_path):
+    target, tok, root = lang
+    straight = cfg_for(root, tmp_path / "straight", epochs=2, max_steps=40, save_interval=20)
+    train(straight, target=target, tokenizer=tok, progress=False)
+    # 20 steps, "killed", then resumed for 20 more
+    train(cfg_for(root, tmp_path / "split", epochs=2, max_steps=20, save_interval=20), target=target,
+          tokenizer=tok, progress=False)
+    assert (tmp_path / "split" / "checkpoint-0000020" / "trainer_state.pt").is_file()
+    train(cfg_for(root, tmp_path / "split", epochs=2, max_steps=40, save_interval=20, resume=True),
+          target=target, tokenizer=tok, progress=False)
+    a = DFlashDraftModel.from_pretrained(tmp_path / "straight" / "final")
+    b = DFlashDraftModel.from_pretrained(tmp_path / "split" / "final")
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+
+
+def test_cached_features_give_the_same_training(lang, tmp_path):
+    target, tok, root = lang
+    records = read_dataset([root / "data"])
+    ids = DFlashDraftModel.from_target(target, mask_token_id=MASK).config.target_layer_ids
+    compute_features(target, records, ids, tmp_path / "feats", max_length=3072, dtype="float32", chunk=10,
+                     progress=False)
+    kw = dict(epochs=1, max_steps=15)
+    train(cfg_for(root, tmp_path / "live", **kw), target=target, tokenizer=tok, progress=False)
+    train(cfg_for(root, tmp_path / "cached", features=str(tmp_path / "feats"), **kw), target=target,
+          tokenizer=tok, progress=False)
+    a = DFlashDraftModel.from_pretrained(tmp_path / "live" / "final")
+    b = DFlashDraftModel.from_pretrained(tmp_path / "cached" / "final")
+    for k, v in a.state_dict().items():
+        assert torch.allclose(v, b.state_dict()[k], atol=1e-6), k
+    with pytest.raises(DFlashError, match="tap layers"):
+        train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), target_layer_ids=[0], **kw),
+              target=target, tokenizer=tok, progress=False)
+
+
+DIST_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from structured import trained_target, make_tokenizer
+from dflash.train import TrainConfig, train
+torch.set_num_threads(1)
+target, tok = trained_target(), make_tokenizer()
+train(TrainConfig(target="structured", data=[{data!r}], output={out!r}, block_size=8, num_anchors=32, epochs=1,
+                  max_steps=6, lr=3e-3, eval_samples=4, eval_interval=10_000, save_interval=10_000, log_interval=2,
+                  dtype="float32", mask_token_id=38, batch_size={bs}), target=target, tokenizer=tok, progress=False)
+"""
+
+
+def test_two_processes_match_one_with_the_same_global_batch(lang, tmp_path):
+    """torchrun with 2 CPU processes (gloo) and batch 2 each == 1 process with batch 4."""
+    _, _, root = lang
+    tests = str(Path(__file__).parent)
+    for name, nproc, bs in (("ddp", 2, 2), ("single", 1, 4)):
+        script = tmp_path / f"{name}.py"
+        script.write_text(DIST_SCRIPT.format(tests=tests, data=str(root / "data"), out=str(tmp_path / name), bs=bs))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               str(29500 + nproc), str(script)] if nproc > 1 else [sys.executable, str(script)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 0, r.stderr[-3000:]
+    a = DFlashDraftModel.from_pretrained(tmp_path / "ddp" / "final")
+    b = DFlashDraftModel.from_pretrained(tmp_path / "single" / "final")
+    for k, v in a.state_dict().items():
+        assert torch.allclose(v, b.state_dict()[k], atol=1e-5), k
+    cfg = json.loads((tmp_path / "ddp" / "train_config.json").read_text())
+    assert cfg["world_size"] == 2
+
+
+def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeypatch):
+    target, tok, root = lang
+    prompts = str(root / "prompts.jsonl")
+    cfg = dict(sources=[prompts], model="structured", max_new_tokens=12, batch_size=8, temperature=1.0, seed=3)
+    regenerate(RegenerateConfig(output=str(tmp_path / "whole"), **cfg), target=target, tokenizer=tok, progress=False)
+    # kill the run after its second shard
+    from dflash import regenerate as reg_mod
+
+    real = reg_mod.atomic_write_text
+    count = {"n": 0}
+
+    def dying_write(path, text):
+        real(path, text)
+        if Path(path).name.startswith("shard-"):
+            count["n"] += 1
+            if count["n"] == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(reg_mod, "atomic_write_text", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(RegenerateConfig(output=str(tmp_path / "split"), **cfg), target=target, tokenizer=tok,
+                   progress=False)
+    monkeypatch.setattr(reg_mod, "atomic_write_text", real)
+    assert len(list((tmp_path / "split").glob("shard-*"))) == 2
+    summary = regenerate(RegenerateConfig(output=str(tmp_path / "split"), **cfg), target=target, tokenizer=tok,
+                         progress=False)
+    assert summary["written_now"] == 48 - 16
+    whole = sorted(p.name for p in (tmp_path / "whole").glob("shard-*"))
+    assert whole == sorted(p.name for p in (tmp_path / "split").glob("shard-*"))
+    for name in whole:  # sampled data too: seeds depend on the shard, not on the run
+        assert (tmp_path / "whole" / name).read_text() == (tmp_path / "split" / name).read_text()
+    with pytest.raises(DFlashError, match="other settings"):
+        regenerate(RegenerateConfig(output=str(tmp_path / "split"), **{**cfg, "max_new_tokens": 13}),
+                   target=target, tokenizer=tok, progress=False)
+
+
+def test_bad_prompt_lines_are_reported_and_skipped(lang, tmp_path, capsys):
+    target, tok, _ = lang
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"prompt": "t1 t2 t3"}\n{not json\n{"prompt": "   "}\n\n{"messages": [{"role": "user", '
+                 '"content": "t4 t6"}]}\n{"turns": ["t5 t5"]}\n[1, 2]\n')
+    summary = regenerate(RegenerateConfig(sources=[str(f)], output=str(tmp_path / "out"), model="structured",
+                                          max_new_tokens=4, batch_size=8), target=target, tokenizer=tok,
+                         progress=False)
+    err = capsys.readouterr().err
+    assert f"{f}:2: invalid JSON" in err and f"{f}:3: no prompt" in err and f"{f}:7: no prompt" in err
+    assert summary["samples"] == 3 and summary["bad_lines"] == 3
+    with pytest.raises(DFlashError, match="does not exist"):
+        regenerate(RegenerateConfig(sources=[str(tmp_path / "nope.jsonl")], output=str(tmp_path / "o2"),
+                                    model="structured"), target=target, tokenizer=tok, progress=False)
+
+
+def test_bad_training_inputs(lang, tmp_path, capsys):
+    target, tok, root = lang
+    with pytest.raises(DFlashError, match="no training data"):
+        train(TrainConfig(data=[], output=str(tmp_path / "o")), target=target, tokenizer=tok)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DFlashError, match="no dataset shards"):
+        train(cfg_for(root, tmp_path / "o", data=[str(tmp_path / "empty")]), target=target, tokenizer=tok)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "shard-000000-000002.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0]}\nnot json\n')
+    assert read_dataset([broken]) == []
+    assert "loss_mask does not fit" in capsys.readouterr().err
+    yml = tmp_path / "c.yaml"
+    yml.write_text("block_size: 8\nbogus_option: 1\n")
+    with pytest.raises(DFlashError, match="unknown options \\['bogus_option'\\]"):
+        TrainConfig.from_yaml(yml)
+
+
+def test_train_cli_with_yaml_config(lang, tmp_path):
+    """`dflash train --config` reads YAML; flags override it. The target comes from a local folder."""
+    target, tok, root = lang
+    folder = tmp_path / "target"
+    target.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    yml = tmp_path / "train.yaml"
+    yml.write_text(f"target: {folder}\ndata: [{root / 'data'}]\nblock-size: 8\nnum_anchors: 16\nepochs: 1\n"
+                   f"max_steps: 4\nmask_token_id: {MASK}\ndtype: float32\neval_samples: 2\nlog_interval: 2\n")
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(yml), "--output",
+                        str(tmp_path / "run"), "--lr", "1e-3", "--threads", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((tmp_path / "run" / "train_config.json").read_text())
+    assert cfg["lr"] == 1e-3 and cfg["block_size"] == 8 and cfg["num_anchors"] == 16
+    assert math.isclose(cfg["gamma"], 7 * 7 / 15)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
