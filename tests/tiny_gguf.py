@@ -36,7 +36,7 @@ def write_tiny_gguf(path: Path, *, layers: int = 2, hidden: int = 64, heads: int
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-test")
     w.add_block_count(layers)
-    w.add_context_length(256)
+    w.add_context_length(4096)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)

@@ -87,6 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--data-dir", default=None, help="folder of the named sets; None = $DFLASH_DATA_DIR")
     reg.set_defaults(max_new_tokens=512)
     _train_parsers(sub, fmt)
+    be = sub.add_parser("bench", formatter_class=fmt, help="measure DFlash against plain decoding",
+                        description="Run AR and DFlash back to back on every prompt; print a table, write "
+                        "results.json and plots, end with one JSON line.")
+    be.add_argument("--model", default=DEFAULT_MODEL, help="target (alias, folder, .gguf or hub id)")
+    be.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
+    be.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench", help="comma-separated")
+    be.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
+    be.add_argument("--num-prompts", type=_int_at_least(1), default=20, help="prompts per dataset")
+    be.add_argument("--max-new-tokens", type=_int_at_least(1), default=256, help="tokens per answer")
+    be.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    be.add_argument("--temperature", type=_float_in(0, 100), default=0.0, help="0 = greedy (outputs checked)")
+    be.add_argument("--batch-size", type=_int_at_least(1), default=1, help="prompts per generate call")
+    be.add_argument("--out", default="bench-out", help="folder for results.json and the plots")
+    be.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
+    be.add_argument("--seed", type=int, default=0, help="seed for sampling")
+    be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
+    be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
+    be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     return parser
 
 
@@ -325,6 +343,22 @@ def cmd_regenerate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import BenchConfig, run_bench
+
+    target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    draft_path = args.draft or shipped_draft(args.model)
+    if draft_path is None:
+        raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
+    draft = load_draft(draft_path, target)
+    cfg = BenchConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], prompts=args.prompts,
+                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                      temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
+                      seed=args.seed, model=str(args.model), draft=str(draft_path))
+    report = run_bench(cfg, target, tokenizer, draft)
+    return 1 if report["total_mismatches"] else 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -333,7 +367,7 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
-                "features": cmd_features}[args.command](args)
+                "features": cmd_features, "bench": cmd_bench}[args.command](args)
     except DFlashError as e:
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2

