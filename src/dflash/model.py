@@ -190,6 +190,15 @@ class DFlashDraftModel(nn.Module):
         draft = cls(config).to(device=param.device, dtype=param.dtype)
         draft.reset_parameters()
         draft.bind(target)
+        # start the draft's final norm at the target's effective one, so its logits begin at the target's
+        # scale (a unit norm can give logits ~10x too large and a first loss far above ln(vocab))
+        final_norm = getattr(target.get_decoder(), "norm", None) if hasattr(target, "get_decoder") else None
+        if final_norm is not None:
+            with torch.no_grad():
+                probe = torch.ones(1, config.hidden_size, device=param.device, dtype=param.dtype)
+                scale = final_norm(probe)[0]  # RMSNorm of an all-ones vector = its effective weight
+                if scale.shape == draft.norm.weight.shape and torch.isfinite(scale).all():
+                    draft.norm.weight.copy_(scale)
         return draft
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -298,7 +307,8 @@ class DFlashDraftModel(nn.Module):
         # every block slot sees all committed context and the whole block (sliding layers narrow this)
         visible = torch.cat([ctx_valid, ctx_valid.new_ones(b, B)], 1)[:, None, :]
         masks = layer_masks(self.config, visible, block_pos, torch.cat([cache.positions[:, :T], block_pos], 1))
-        return self.run_layers(self.embed_tokens(block_ids), block_pos,
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        return self.run_layers(x, block_pos,
                                [(cache.keys[i, :, :, :T], cache.values[i, :, :, :T]) for i in range(len(self.layers))],
                                masks)
 
@@ -312,7 +322,7 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
     def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
                 ctx_valid: torch.Tensor) -> torch.Tensor:
