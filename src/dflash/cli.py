@@ -250,15 +250,9 @@ class Session:
         self.generator = torch.Generator(device=self.target.device).manual_seed(args.seed)
 
     def encode(self, messages: list[dict]) -> torch.Tensor:
-        if self.args.system:
-            messages = [{"role": "system", "content": self.args.system}] + messages
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-        return torch.tensor([ids], dtype=torch.long)
+        from .regenerate import encode_prompt
+
+        return torch.tensor([encode_prompt(self.tokenizer, messages, self.args.system)], dtype=torch.long)
 
     def answer(self, messages: list[dict], out=sys.stdout):
         """Streams the answer to `out`; returns (text, GenerationOutput)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -223,7 +222,3 @@ def rope_settings(text_config) -> tuple[float, dict | None]:
     theta = getattr(text_config, "rope_theta", 10000.0)
     scaling = getattr(text_config, "rope_scaling", None)
     return float(theta), scaling
-
-
-def _is_finite_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and math.isfinite(x)

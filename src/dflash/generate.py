@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DFlashInputError
-from .model import DFlashDraftModel, DraftKVCache, check_fits
+from .model import DFlashDraftModel, DraftKVCache
 from .sampling import SamplingParams, choose_tokens
 from .target import TargetAdapter
 
@@ -167,6 +167,7 @@ class _Generation:
         done = done | (first_stop <= n_take) | (n_gen >= self.max_new)
         return n_take, done
 
+    @torch.inference_mode()  # on a generator, active only while it runs, not between yields
     def steps(self) -> Iterator[list[list[int]]]:
         t0 = time.perf_counter()
         b, P = self.input_ids.shape
@@ -270,29 +271,21 @@ def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tok
     return B
 
 
-def _make(target, draft, input_ids, attention_mask, block_size, max_new_tokens, temperature, top_k, top_p,
-          stop_token_ids, generator) -> _Generation:
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if draft is not None:
-        check_fits(draft.config, target)
-        if draft._target_modules is None or draft._target_modules[0] is not target.get_input_embeddings():
-            draft.bind(target)
-    return _Generation(target, draft, input_ids, attention_mask, block_size=block_size,
-                       max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids,
-                       generator=generator)
-
-
 def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention_mask=None, *, block_size=None,
                     num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                     generator: torch.Generator | None = None) -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
     token ids each row committed in that step. The generator's return value is the GenerationOutput."""
-    B = _resolve_block_size(draft, block_size, num_speculative_tokens) if draft is not None else 1
-    g = _make(target, draft, input_ids, attention_mask, B, max_new_tokens, temperature, top_k, top_p,
-              stop_token_ids, generator)
-    with torch.inference_mode():
-        yield from g.steps()
+    B = 1
+    if draft is not None:
+        B = _resolve_block_size(draft, block_size, num_speculative_tokens)
+        if not draft.is_bound_to(target):
+            draft.bind(target)  # checks that the draft fits this target
+    g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
+                    sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                    stop_token_ids=stop_token_ids, generator=generator)
+    yield from g.steps()
     return g.result()
 
 

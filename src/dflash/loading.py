@@ -235,8 +235,11 @@ def load_draft(path_or_alias: str | os.PathLike, target, *, device=None, dtype=N
         found = shipped_draft(name)
         if found is None:
             raise DFlashLoadError(f"no draft is shipped for {name!r} yet; pass a draft folder")
-        name = str(found)
-    elif not Path(name).expanduser().exists() and not _HUB_ID.match(name):
+        location = str(found)
+    elif Path(name).expanduser().exists():
+        location = str(Path(name).expanduser())
+    elif _HUB_ID.match(name):
+        location = name  # from_pretrained fetches it (or finds it in the hub cache)
+    else:
         raise DFlashLoadError(f"draft path does not exist: {name}")
-    return DFlashDraftModel.from_pretrained(Path(name).expanduser() if Path(name).expanduser().exists() else name,
-                                            target=target, device=device, dtype=dtype)
+    return DFlashDraftModel.from_pretrained(location, target=target, device=device, dtype=dtype)

@@ -219,6 +219,9 @@ class DFlashDraftModel(nn.Module):
         self._target_modules = (emb, head)
         return self
 
+    def is_bound_to(self, target) -> bool:
+        return self._target_modules is not None and self._target_modules[0] is target.get_input_embeddings()
+
     @property
     def embed_tokens(self) -> nn.Module:
         return self._bound()[0]
@@ -282,16 +285,20 @@ class DFlashDraftModel(nn.Module):
         # [b, n, num_ids*H] -> [b, n, H]
         return self.hidden_norm(self.fc(target_features))
 
+    def context_kv(self, target_features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's context keys/values [b, kv_heads, n, head_dim] from target features [b, n, num_ids*H]
+        at absolute positions [b, n]: the features are injected into each layer through its own k/v projections."""
+        ctx = self.project_context(target_features.to(self.fc.weight.dtype))
+        rope = self.rotary_emb(ctx, positions)
+        return [layer.self_attn.kv(ctx, *rope) for layer in self.layers]
+
     def write_context(self, target_features: torch.Tensor, cache: DraftKVCache, slot: int) -> None:
-        """Projects target features [b, n, num_ids*H] into every layer's context K/V at slots slot..slot+n
-        (their absolute positions must already be in cache.positions)."""
+        """Adds target features [b, n, num_ids*H] to the cache at slots slot..slot+n (their absolute positions
+        must already be in cache.positions)."""
         n = target_features.shape[1]
         if n == 0:
             return
-        ctx = self.project_context(target_features.to(self.fc.weight.dtype))
-        rope_ctx = self.rotary_emb(ctx, cache.positions[:, slot:slot + n])
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.kv(ctx, *rope_ctx)
+        for i, (k, v) in enumerate(self.context_kv(target_features, cache.positions[:, slot:slot + n])):
             cache.keys[i, :, :, slot:slot + n] = k
             cache.values[i, :, :, slot:slot + n] = v
 

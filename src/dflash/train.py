@@ -143,17 +143,19 @@ class DFlashTrainStep(nn.Module):
     def block_hidden(self, features, input_ids, anchors):
         """Final hidden states [n, B, H] of every anchor's block, all blocks in one packed forward.
         features: [T, n_ids*H]; input_ids: [T]; anchors: [n]."""
+        cfg = self.draft.config
+        block_ids, block_pos, _ = block_inputs(input_ids.cpu(), torch.ones_like(input_ids.cpu()), anchors.cpu(),
+                                               cfg.block_size, cfg.mask_token_id)
+        return self._hidden(features, block_ids, block_pos, anchors)
+
+    def _hidden(self, features, block_ids, block_pos, anchors):
         d = self.draft
         cfg = d.config
-        B, T = cfg.block_size, input_ids.shape[0]
+        B, T = cfg.block_size, features.shape[0]
         dev = features.device
-        block_ids, block_pos, _ = block_inputs(input_ids.cpu(), torch.ones(T, dtype=torch.long), anchors.cpu(), B,
-                                               cfg.mask_token_id)
         block_ids, block_pos = block_ids.to(dev), block_pos.to(dev)
-        ctx = d.project_context(features.to(d.fc.weight.dtype))[None]  # [1, T, H]
         ctx_pos = torch.arange(T, device=dev)[None]
-        rope_ctx = d.rotary_emb(ctx, ctx_pos)
-        ctx_kv = [layer.self_attn.kv(ctx, *rope_ctx) for layer in d.layers]
+        ctx_kv = d.context_kv(features[None], ctx_pos)  # the whole sequence is context; the mask picks per block
         visible = training_visibility(anchors.cpu(), T, B).to(dev)[None]
         masks = layer_masks(cfg, visible, block_pos[None], torch.cat([ctx_pos, block_pos[None]], 1))
         x = d.embed_tokens(block_ids[None]).to(d.fc.weight.dtype)
@@ -162,10 +164,10 @@ class DFlashTrainStep(nn.Module):
     def forward(self, features, input_ids, loss_mask, anchors):
         """Weighted loss of one sequence, and (correct, counted) predictions per block slot."""
         d = self.draft
-        _, _, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(), d.config.block_size,
-                                    d.config.mask_token_id)
+        block_ids, block_pos, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(),
+                                                    d.config.block_size, d.config.mask_token_id)
         labels = labels.to(features.device)
-        hidden = self.block_hidden(features, input_ids, anchors)[:, 1:]  # predictions come from the mask slots
+        hidden = self._hidden(features, block_ids, block_pos, anchors)[:, 1:]  # predictions come from the mask slots
         keep = labels != -100
         w = self.weights.to(features.device).expand_as(labels)[keep]
         logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
