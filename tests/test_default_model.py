@@ -27,3 +27,25 @@ def test_fresh_draft_reproduces_plain_greedy_decoding():
     assert torch.equal(spec.sequences, ar.sequences)
     text = tok.decode(ar.sequences[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in text
+
+
+def test_shipped_draft_fits_and_accepts_on_gsm8k():
+    import os
+
+    from dflash.loading import load_draft, shipped_draft
+    from dflash.prompts import read_prompts
+    from dflash.regenerate import encode_prompt
+
+    found = shipped_draft("smollm2-135m-instruct")
+    if found is None:
+        pytest.skip("no draft is shipped for the default model yet")
+    if not os.environ.get("DFLASH_DATA_DIR"):
+        pytest.skip("needs DFLASH_DATA_DIR for the GSM8K prompts")
+    target, tok = load_target("smollm2-135m-instruct")
+    draft = load_draft("smollm2-135m-instruct", target)
+    assert draft.config.num_target_layers == target.config.num_hidden_layers
+    acc = []
+    for p in read_prompts(["gsm8k:test"])[:3]:
+        ids = torch.tensor([encode_prompt(tok, p.messages)])
+        acc += spec_generate(target, draft, ids, max_new_tokens=128, return_stats=True).acceptance_lengths
+    assert sum(acc) / len(acc) > 2.0

@@ -289,3 +289,17 @@ def test_train_cli_with_yaml_config(lang, tmp_path):
     assert cfg["lr"] == 1e-3 and cfg["block_size"] == 8 and cfg["num_anchors"] == 16
     assert math.isclose(cfg["gamma"], 7 * 7 / 15)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    # `dflash features` with the same YAML, then training from the cached features
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "features", "--config", str(yml), "--features",
+                        str(tmp_path / "feats"), "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    made = json.loads(r.stdout.strip().splitlines()[-1])
+    assert made["records"] == 48 and made["target_layer_ids"] == cfg["target_layer_ids"]
+    r = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(yml), "--output",
+                        str(tmp_path / "run2"), "--features", str(tmp_path / "feats"), "--threads", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(tmp_path / "missing.yaml")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"dflash: error: config file does not exist: {tmp_path / 'missing.yaml'}"]

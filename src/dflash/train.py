@@ -69,8 +69,13 @@ class TrainConfig:
     def from_yaml(cls, path) -> dict:
         import yaml
 
+        if not os.path.isfile(path):
+            raise DFlashError(f"config file does not exist: {path}")
         with open(path) as f:
-            d = yaml.safe_load(f) or {}
+            try:
+                d = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise DFlashError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(d, dict):
             raise DFlashError(f"{path}: expected a mapping of option names to values")
         names = {f.name for f in fields(cls)}
