@@ -93,6 +93,25 @@ def test_holes_are_compacted_when_rows_accept_very_differently():
     assert new_tokens(out, ids, out.num_new_tokens) == refs
 
 
+def test_long_answers_grow_the_cache_and_stay_exact():
+    """Storage starts at 256 new tokens and doubles when answers run longer; with uneven acceptance the
+    holes are squeezed out too."""
+    target = tiny_target("qwen3", seed=1)
+    ids, mask = ragged_batch([5, 12], seed=9)
+    max_new = 400
+    refs = references(target, ids, mask, max_new)
+    base = DFlashDraftModel.from_target(target, block_size=8)
+    for draft in (OracleDraft(base, futures_for(ids, mask, refs), corrupt=[0.0, 0.9]), None):
+        if draft is None:
+            out = ar_generate(target, ids, mask, max_new_tokens=max_new, stop_token_ids=[], return_stats=True)
+        else:
+            out = spec_generate(target, draft, ids, mask, max_new_tokens=max_new, stop_token_ids=[],
+                                return_stats=True)
+            assert out.compactions > 0
+        assert out.cache_growths == 1
+        assert new_tokens(out, ids, out.num_new_tokens) == refs
+
+
 def test_published_example_call_runs_as_written():
     target = tiny_target("qwen3", seed=1)
     draft_model = DFlashDraftModel.from_target(target, num_layers=2, block_size=16)

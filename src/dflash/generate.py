@@ -29,6 +29,7 @@ class GenerationOutput:
     acceptance_lengths: list[int] = field(repr=False)  # tokens committed per (row, step), bonus included
     num_steps: int = 0  # draft + verify steps after the prefill
     compactions: int = 0  # times the cache squeezed out the holes left by rows that accepted less
+    cache_growths: int = 0  # times the cache storage was enlarged (answers longer than it started for)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
 
@@ -145,6 +146,7 @@ class _Generation:
         self.acceptance: list[int] = []
         self.num_steps = 0
         self.compactions = 0
+        self.growths = 0
         self.ttft = 0.0
         self.total = 0.0
 
@@ -175,8 +177,9 @@ class _Generation:
             return
         draft, B = self.draft, self.B
         adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft is not None else None)
-        capacity = P + self.max_new + B
-        adapter.reset(b, capacity)
+        # enough for every row after compaction; storage starts smaller and grows only if answers run long
+        max_capacity = P + self.max_new + B
+        adapter.reset(b, min(max_capacity, P + min(self.max_new, 256) + B))
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
         prompt_len = self.mask.sum(1)
         pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
@@ -193,7 +196,7 @@ class _Generation:
 
         j = torch.arange(B, device=self.device)
         if draft is not None:
-            dcache = DraftKVCache(draft.config, b, capacity, self.device, draft.fc.weight.dtype)
+            dcache = DraftKVCache(draft.config, b, adapter.capacity, self.device, draft.fc.weight.dtype)
             dcache.positions[:, :P] = pos
             pending = (feats.masked_fill(~self.mask[..., None], 0), 0)  # features not yet in the draft cache
             mask_block = torch.full((b, B - 1), draft.config.mask_token_id, dtype=torch.long, device=self.device)
@@ -234,15 +237,27 @@ class _Generation:
             self.acceptance += acc
             self.num_steps += 1
             adapter.rewind(B - advance)
-            if adapter.pointer + B > capacity:
-                if draft is not None:
+            if adapter.pointer + B > adapter.capacity:
+                if draft is not None:  # the pending features must be in the cache before slots move
                     draft.write_context(pending[0], dcache, pending[1])
                     pending = (feats[:, :0], 0)
-                self.compactions += 1
-                index, new_valid = adapter.compaction_index()
-                adapter.compact(index, new_valid)
-                if draft is not None:
-                    dcache.gather_slots(index)
+
+                def compact():
+                    self.compactions += 1
+                    index, new_valid = adapter.compaction_index()
+                    adapter.compact(index, new_valid)
+                    if draft is not None:
+                        dcache.gather_slots(index)
+
+                if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:  # enough holes to be worth squeezing
+                    compact()
+                if adapter.pointer + B > adapter.capacity and adapter.capacity < max_capacity:
+                    adapter.grow(min(max_capacity, max(adapter.pointer + B, 2 * adapter.capacity)))
+                    self.growths += 1
+                    if draft is not None:
+                        dcache.grow(adapter.capacity)
+                if adapter.pointer + B > adapter.capacity:  # full size reached: the holes must go
+                    compact()
             step = [[] for _ in range(b)]
             for r, row, n in zip(live.tolist(), choice.tolist(), n_take.tolist()):
                 step[r] = row[:n]
@@ -256,6 +271,7 @@ class _Generation:
         seq = torch.cat([self.input_ids, self.out[:, :width]], 1)
         return GenerationOutput(sequences=seq, num_new_tokens=n, block_size=self.B,
                                 acceptance_lengths=self.acceptance, num_steps=self.num_steps, compactions=self.compactions,
+                                cache_growths=self.growths,
                                 time_to_first_token=self.ttft, total_time=self.total)
 
 

@@ -50,6 +50,14 @@ class DraftKVCache:
         self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # absolute positions
         self.capacity = capacity
 
+    def grow(self, capacity: int) -> None:
+        pad = capacity - self.capacity
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:3], pad, self.keys.shape[4])], 3)
+        self.values = torch.cat([self.values, self.values.new_zeros(*self.values.shape[:3], pad,
+                                                                    self.values.shape[4])], 3)
+        self.positions = torch.cat([self.positions, self.positions.new_zeros(self.positions.shape[0], pad)], 1)
+        self.capacity = capacity
+
     def select_rows(self, keep: torch.Tensor) -> None:
         self.keys = self.keys.index_select(1, keep)
         self.values = self.values.index_select(1, keep)

@@ -29,7 +29,8 @@ class TargetAdapter:
     Row b's tokens live in cache slots; `valid[b, j]` marks the slots that hold committed tokens of row b.
     Every forward writes its q tokens at slots [pointer, pointer+q). Rolling back is moving the pointer
     (`rewind`), so nothing is re-allocated per step; rows that accepted fewer tokens than others leave
-    masked holes until `compact` squeezes them out.
+    masked holes until `compact` squeezes them out. Attention runs over the whole storage, so it starts
+    small and `grow`s (doubling) only when a sequence outlives it.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None):
@@ -58,6 +59,19 @@ class TargetAdapter:
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=self.device)
         self.capacity = capacity
         self.pointer = 0
+
+    def grow(self, capacity: int) -> None:
+        """Enlarges the slot storage to `capacity` (a rare, amortised copy: capacity at least doubles)."""
+        for layer in self.cache.layers:
+            layer.max_cache_len = capacity
+            if layer.is_initialized:
+                for name in ("keys", "values"):
+                    old = getattr(layer, name)
+                    new = old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+                    new[:, :, :self.capacity] = old
+                    setattr(layer, name, new)
+        self.valid = torch.cat([self.valid, self.valid.new_zeros(self.valid.shape[0], capacity - self.capacity)], 1)
+        self.capacity = capacity
 
     def rewind(self, n: int) -> None:
         """Drops the last n written slots (pointer move; the tensors stay where they are)."""
