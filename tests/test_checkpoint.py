@@ -207,3 +207,15 @@ def test_bad_checkpoints(tmp_path):
     d.update(layer_types=["sliding_attention"] + ["full_attention"] * 4)
     with pytest.raises(DFlashConfigError, match="sliding_window"):
         DFlashConfig.from_dict(d)
+
+
+def test_saved_files_get_ordinary_permissions(tmp_path):
+    import os
+    import stat
+
+    target = tiny_target("llama", seed=2)
+    DFlashDraftModel.from_target(target).save_pretrained(tmp_path / "d")
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((tmp_path / "d" / name).stat().st_mode) == 0o666 & ~umask

@@ -7,6 +7,18 @@ import tempfile
 from contextlib import contextmanager
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def normal_permissions(path: str | os.PathLike) -> None:
+    """mkstemp/mkdtemp make owner-only files and folders; give them the modes an ordinary write would."""
+    mode = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, mode & ~_umask())
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike):
     """Yields a temporary path in the target's folder; renamed over `path` only if the block succeeds."""
@@ -17,6 +29,7 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield tmp
+        normal_permissions(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

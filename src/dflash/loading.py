@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .errors import DFlashError
+from .io import normal_permissions
 
 
 class DFlashLoadError(DFlashError):
@@ -163,6 +164,7 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
             model.to(store).save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             model.generation_config.save_pretrained(tmp)
+            normal_permissions(tmp)
             if out.exists():  # a stale, incomplete folder from an older version: replace it
                 shutil.rmtree(out)
             os.replace(tmp, out)

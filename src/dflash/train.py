@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashError
-from .io import atomic_write_text
+from .io import atomic_write_text, normal_permissions
 from .model import DFlashDraftModel, layer_masks
 
 
@@ -303,6 +303,7 @@ def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: d
         save_draft(draft, tmp, save_dtype)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": torch.get_rng_state(), **state}, tmp / "trainer_state.pt")
+        normal_permissions(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
