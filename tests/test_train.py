@@ -111,6 +111,16 @@ def test_regenerated_dataset_is_the_targets_own_greedy_text(lang):
     assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
 
 
+def test_regenerate_with_a_draft_writes_the_same_greedy_data(lang, tmp_path):
+    target, tok, root = lang
+    draft = DFlashDraftModel.from_target(target, block_size=4, mask_token_id=MASK)
+    cfg = dict(sources=[str(root / "prompts.jsonl")], model="structured", max_new_tokens=40, batch_size=16)
+    regenerate(RegenerateConfig(output=str(tmp_path / "spec"), draft="given", **cfg), target=target, tokenizer=tok,
+               draft=draft, progress=False)
+    for shard in sorted((root / "data").glob("shard-*")):
+        assert (tmp_path / "spec" / shard.name).read_text() == shard.read_text()
+
+
 def test_end_to_end_draft_learns(lang, tmp_path):
     target, tok, root = lang
     records = read_dataset([root / "data"])
