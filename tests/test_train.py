@@ -313,3 +313,14 @@ def test_train_cli_with_yaml_config(lang, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"dflash: error: config file does not exist: {tmp_path / 'missing.yaml'}"]
+
+
+def test_draft_layers_can_start_from_the_targets_last_layers():
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4)
+    copied = draft.init_from_target_layers(target, [2, 3])
+    src = target.model.layers[3].state_dict()
+    assert "layers.1.self_attn.q_proj.weight" in copied and "layers.1.mlp.down_proj.weight" in copied
+    assert torch.equal(draft.layers[1].self_attn.q_proj.weight, src["self_attn.q_proj.weight"])
+    assert torch.equal(draft.layers[1].post_attention_layernorm.weight, src["post_attention_layernorm.weight"])
+    assert not any("q_norm" in name for name in copied)  # Llama has no q/k norm: the draft keeps its own

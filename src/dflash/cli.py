@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
 _TRAIN_HELP = {
     "target": "target model (alias, folder, .gguf or hub id)", "data": "dataset folders from `dflash regenerate`",
     "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features)",
-    "init_draft": "start from this draft instead of a fresh one", "num_layers": "draft decoder layers",
+    "init_draft": "start from this draft instead of a fresh one",
+    "init_from_target": "start the draft layers as copies of the target's last layers", "num_layers": "draft decoder layers",
     "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",
     "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",

@@ -209,6 +209,22 @@ class DFlashDraftModel(nn.Module):
                     draft.norm.weight.copy_(scale)
         return draft
 
+    def init_from_target_layers(self, target, layer_ids: list[int]) -> list[str]:
+        """Copies target decoder layer layer_ids[i] into draft layer i wherever names and shapes agree
+        (projections, MLP, norms), so training starts from a working transformer layer. Returns what it copied."""
+        from .target import decoder_layers
+
+        layers = decoder_layers(target)
+        copied = []
+        with torch.no_grad():
+            for i, lid in enumerate(layer_ids):
+                src = layers[lid].state_dict()
+                for name, p in self.layers[i].state_dict().items():
+                    if name in src and src[name].shape == p.shape:
+                        p.copy_(src[name])
+                        copied.append(f"layers.{i}.{name}")
+        return copied
+
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
             if isinstance(m, nn.Linear):

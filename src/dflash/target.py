@@ -41,7 +41,6 @@ class TargetAdapter:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = []
         self.cache = None
         self.valid = None
         self.pointer = 0
@@ -92,10 +91,9 @@ class TargetAdapter:
         """Index [b, m] that right-aligns each row's valid slots (as left padding would), and the new valid mask."""
         valid = self.valid[:, :self.pointer]
         counts = valid.sum(1)
-        m = int(counts.max())
-        # sort key puts valid slots last in their original order, so the last m slots are the ones we keep
-        order = torch.argsort(valid.to(torch.int64) * (self.pointer + 1) + torch.arange(self.pointer, device=valid.device),
-                              dim=1, stable=True)[:, -m:] if m > 0 else valid.new_zeros(valid.shape[0], 0, dtype=torch.long)
+        m = int(counts.max())  # >= 1: every row keeps at least its prompt
+        # a stable sort of the validity flags puts each row's valid slots last, in their original order
+        order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, valid.shape[1] - m:]
         new_valid = torch.arange(m, device=valid.device)[None, :] >= (m - counts)[:, None]
         return order, new_valid
 

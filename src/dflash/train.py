@@ -34,6 +34,7 @@ class TrainConfig:
     output: str = "runs/draft"
     features: str | None = None  # folder written by `dflash features`
     init_draft: str | None = None  # start from these weights instead of a fresh draft
+    init_from_target: bool = False  # fresh draft layers start as copies of the target's last layers
     num_layers: int = 1
     block_size: int = 16
     target_layer_ids: list[int] | None = None
@@ -389,6 +390,9 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         draft = DFlashDraftModel.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                              target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
                                              tokenizer=tokenizer, num_target_features=cfg.num_target_features)
+        if cfg.init_from_target:
+            n = target.config.get_text_config().num_hidden_layers
+            draft.init_from_target_layers(target, list(range(n - cfg.num_layers, n)))
         draft.to(torch.float32)
     draft.train()
     layer_ids = draft.config.target_layer_ids
