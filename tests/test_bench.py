@@ -13,7 +13,7 @@ from dflash import DFlashDraftModel
 from dflash.bench import BenchConfig, run_bench
 from structured import make_tokenizer, trained_target, write_prompts
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 @pytest.fixture(scope="module")
