@@ -176,10 +176,10 @@ class _Generation:
         if self.max_new == 0:
             return
         draft, B = self.draft, self.B
-        adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft is not None else None)
+        self.adapter = adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft else None)
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        max_capacity = P + self.max_new + B
-        adapter.reset(b, min(max_capacity, P + min(self.max_new, 256) + B))
+        self.max_capacity = P + self.max_new + B
+        adapter.reset(b, min(self.max_capacity, P + min(self.max_new, 256) + B))
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
         prompt_len = self.mask.sum(1)
         pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
@@ -196,9 +196,10 @@ class _Generation:
 
         j = torch.arange(B, device=self.device)
         if draft is not None:
-            dcache = DraftKVCache(draft.config, b, adapter.capacity, self.device, draft.fc.weight.dtype)
-            dcache.positions[:, :P] = pos
-            pending = (feats.masked_fill(~self.mask[..., None], 0), 0)  # features not yet in the draft cache
+            self.dcache = DraftKVCache(draft.config, b, adapter.capacity, self.device, draft.fc.weight.dtype)
+            self.dcache.positions[:, :P] = pos
+            # target features not yet in the draft cache, and the slot they go to
+            self.pending = (feats.masked_fill(~self.mask[..., None], 0), 0)
             mask_block = torch.full((b, B - 1), draft.config.mask_token_id, dtype=torch.long, device=self.device)
         n_done = int(done.sum())
         while n_done < len(live):
@@ -208,16 +209,17 @@ class _Generation:
                 live, done, prompt_len = live[keep], done[keep], prompt_len[keep]
                 adapter.select_rows(keep)
                 if draft is not None:
-                    dcache.select_rows(keep)
-                    pending = (pending[0][keep], pending[1])
+                    self.dcache.select_rows(keep)
+                    self.pending = (self.pending[0][keep], self.pending[1])
                     mask_block = mask_block[:len(keep)]
             p = adapter.pointer
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])  # [L, 1] last committed token
             block_pos = (prompt_len + n_gen - 1)[:, None] + j  # [L, B] absolute positions of the block
             if draft is not None:
-                draft.write_context(pending[0], dcache, pending[1])
-                proposal = draft.propose(torch.cat([anchor, mask_block], 1), block_pos, dcache, adapter.valid[:, :p])
+                self._flush_pending()
+                proposal = draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
+                                         adapter.valid[:, :p])
                 verify_ids = torch.cat([anchor, proposal], 1)
             else:
                 verify_ids = anchor
@@ -230,40 +232,49 @@ class _Generation:
             # cache keeps [anchor, accepted drafts] = the slots before the new anchor
             adapter.valid[:, p:p + B] = j < n_take[:, None]
             if draft is not None:
-                dcache.positions[:, p:p + B] = block_pos
-                pending = (feats, p)
+                self.dcache.positions[:, p:p + B] = block_pos
+                self.pending = (feats, p)
             advance, n_done, acc = (torch.stack([n_take.max(), done.sum()]).tolist()
                                     + [(accepted + 1)[active].tolist()])
             self.acceptance += acc
             self.num_steps += 1
             adapter.rewind(B - advance)
             if adapter.pointer + B > adapter.capacity:
-                if draft is not None:  # the pending features must be in the cache before slots move
-                    draft.write_context(pending[0], dcache, pending[1])
-                    pending = (feats[:, :0], 0)
-
-                def compact():
-                    self.compactions += 1
-                    index, new_valid = adapter.compaction_index()
-                    adapter.compact(index, new_valid)
-                    if draft is not None:
-                        dcache.gather_slots(index)
-
-                if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:  # enough holes to be worth squeezing
-                    compact()
-                if adapter.pointer + B > adapter.capacity and adapter.capacity < max_capacity:
-                    adapter.grow(min(max_capacity, max(adapter.pointer + B, 2 * adapter.capacity)))
-                    self.growths += 1
-                    if draft is not None:
-                        dcache.grow(adapter.capacity)
-                if adapter.pointer + B > adapter.capacity:  # full size reached: the holes must go
-                    compact()
+                self._make_room()
             step = [[] for _ in range(b)]
             for r, row, n in zip(live.tolist(), choice.tolist(), n_take.tolist()):
                 step[r] = row[:n]
             yield step
         _sync(self.device)
         self.total = time.perf_counter() - t0
+
+    def _flush_pending(self) -> None:
+        feats, slot = self.pending
+        self.draft.write_context(feats, self.dcache, slot)
+        self.pending = (feats[:, :0], 0)
+
+    def _compact(self) -> None:
+        self.compactions += 1
+        index, new_valid = self.adapter.compaction_index()
+        self.adapter.compact(index, new_valid)
+        if self.draft is not None:
+            self.dcache.gather_slots(index)
+
+    def _make_room(self) -> None:
+        """Frees room for the next block: squeeze out holes when there are enough, else grow (doubling), and
+        squeeze anyway once the storage is at its full size (which always fits every row after compaction)."""
+        adapter, B = self.adapter, self.B
+        if self.draft is not None:  # pending features must be in the draft cache before slots move
+            self._flush_pending()
+        if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:
+            self._compact()
+        if adapter.pointer + B > adapter.capacity and adapter.capacity < self.max_capacity:
+            adapter.grow(min(self.max_capacity, max(adapter.pointer + B, 2 * adapter.capacity)))
+            self.growths += 1
+            if self.draft is not None:
+                self.dcache.grow(adapter.capacity)
+        if adapter.pointer + B > adapter.capacity:
+            self._compact()
 
     def result(self) -> GenerationOutput:
         n = self.n_gen.tolist()
