@@ -143,6 +143,7 @@ def test_end_to_end_draft_learns(lang, tmp_path):
     losses = [e["loss"] for e in log if "loss" in e]
     assert losses[-1] < 0.5 * losses[0]
     assert any("eval_tau" in e for e in log) and result["tau"] is not None
+    assert (tmp_path / "run" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_resume_is_exact(lang, tmp_path):

@@ -503,9 +503,34 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     bar.close()
     if is_main:
         save_draft(draft, out / "final", cfg.save_dtype)
+        plot_training_log(log_path, out / "training.png")
         if writer is not None:
             writer.close()
     return {"step": step, "tau": tau, "output": str(out)}
+
+
+def plot_training_log(log_path: Path, png: Path) -> None:
+    """Loss, slot-1 accuracy and held-out τ against the step, from log.jsonl (all sittings of a run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    train_e = [e for e in entries if "loss" in e]
+    eval_e = [e for e in entries if "eval_tau" in e]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    axes[0].plot([e["step"] for e in train_e], [e["loss"] for e in train_e])
+    axes[0].set_title("weighted loss")
+    axes[1].plot([e["step"] for e in train_e], [e["acc_slot1"] for e in train_e])
+    axes[1].set_title("slot-1 accuracy")
+    axes[2].plot([e["step"] for e in eval_e], [e["eval_tau"] for e in eval_e], marker="o")
+    axes[2].set_title("held-out τ (greedy spec decoding)")
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def _log(path: Path, writer, entry: dict) -> None:
