@@ -58,8 +58,9 @@ def test_bench_reports_a_broken_verifier_loudly(setup, tmp_path, monkeypatch, ca
     target, tok, draft, prompts = setup
     report = run_bench(BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=12, out=str(tmp_path / "o")),
                        target, tok, draft)
-    assert report["total_mismatches"] == 3
-    assert capsys.readouterr().err.count("MISMATCH") == 3
+    assert report["total_mismatches"] == 3 and report["real_mismatches"] == 3
+    err = capsys.readouterr().err
+    assert err.count("MISMATCH") == 3 and err.count("NOT a near-tie") == 3
 
 
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="needs ../shared/data")
@@ -86,3 +87,16 @@ def test_named_datasets_and_cli(tiny_gguf, tmp_path):
                           str(tmp_path / "draft"), "--datasets", "gsm8k,nope", "--dtype", "float32"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))
     assert bad.returncode == 2 and "unknown bench dataset 'nope'" in bad.stderr
+
+
+def test_tie_check_tells_rounding_from_divergence(setup):
+    from dflash.bench import _tie_check
+
+    target, _, _, _ = setup
+    prefix = [3, 5, 7, 9]
+    logits = target(torch.tensor([prefix])).logits[0, -1]
+    top, worst = int(logits.argmax()), int(logits.argmin())
+    assert _tie_check(target, prefix, top, top) == (0.0, True)
+    gap, tie = _tie_check(target, prefix, top, worst)
+    assert gap > 1.0 and not tie
+    assert _tie_check(target, prefix, top, None)[1] is False
