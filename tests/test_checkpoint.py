@@ -219,3 +219,30 @@ def test_saved_files_get_ordinary_permissions(tmp_path):
     os.umask(umask)
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE((tmp_path / "d" / name).stat().st_mode) == 0o666 & ~umask
+
+
+def test_draft_vocabulary_limits_proposals_keeps_output_and_round_trips(tmp_path):
+    target = tiny_target("llama", seed=1)
+    draft = DFlashDraftModel.from_target(target, block_size=4)
+    vocab = list(range(3, 40))
+    draft.set_draft_vocab(vocab)
+    ids = ragged_batch([6, 9], seed=3)
+    seen = []
+    real = DFlashDraftModel.propose
+
+    def spy(self, *a, **k):
+        out = real(self, *a, **k)
+        seen.append(out)
+        return out
+
+    DFlashDraftModel.propose = spy
+    try:
+        out = spec_generate(target, draft, *ids, max_new_tokens=20, stop_token_ids=[])
+    finally:
+        DFlashDraftModel.propose = real
+    assert torch.equal(out, ar_generate(target, *ids, max_new_tokens=20, stop_token_ids=[]))
+    assert all(set(p.flatten().tolist()) <= set(vocab) for p in seen)
+    draft.save_pretrained(tmp_path)
+    assert "draft_vocab" in load_file(str(tmp_path / "model.safetensors"))
+    loaded = DFlashDraftModel.from_pretrained(tmp_path, target=target)
+    assert loaded.draft_vocab.tolist() == vocab

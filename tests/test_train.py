@@ -40,6 +40,15 @@ def test_labels_align_with_block_slots():
     assert labels.tolist() == [[105, 106, 107], [-100, 111, -100]]
 
 
+def test_frequent_tokens_count_answer_tokens_only():
+    from dflash.train import frequent_tokens
+
+    records = [{"input_ids": [9, 9, 9, 1, 2, 2], "loss_mask": [0, 0, 0, 1, 1, 1]},
+               {"input_ids": [9, 3, 2, 1], "loss_mask": [0, 1, 1, 1]}]
+    assert frequent_tokens(records, 2) == [2, 1]  # 9 is only in prompts; 1 and 3 tie-break by id
+    assert frequent_tokens(records, 10) == [2, 1, 3]
+
+
 def test_anchors_only_where_answer_continues():
     lm = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])
     assert valid_anchors(lm).tolist() == [2, 3, 6]

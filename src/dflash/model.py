@@ -170,6 +170,9 @@ class DFlashDraftModel(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config.to_qwen3_config())
         # the target's modules, kept outside the module tree so they are neither saved nor trained
         self._target_modules: tuple[nn.Module, nn.Module] | None = None
+        # optional: the token ids the draft may propose (its LM head is evaluated on these rows only)
+        self.register_buffer("draft_vocab", None)
+        self._head_cache = None
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -289,6 +292,8 @@ class DFlashDraftModel(nn.Module):
         state = load_file(path)
         state = {k.removeprefix("model."): v for k, v in state.items()
                  if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+        if "draft_vocab" in state:
+            model.draft_vocab = torch.empty_like(state["draft_vocab"])
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
@@ -355,12 +360,31 @@ class DFlashDraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
+    def set_draft_vocab(self, token_ids) -> None:
+        """Restricts proposals to `token_ids` (None: the whole vocabulary). On a CPU the LM head over 15 mask
+        slots can cost as much as the draft itself; the few thousand most frequent answer tokens cover most
+        of the text. Proposals only: the target still verifies, so the output stays exact."""
+        self.draft_vocab = None if token_ids is None else torch.as_tensor(
+            token_ids, dtype=torch.long, device=self.fc.weight.device).unique()
+        self._head_cache = None
+
+    def _draft_head(self):
+        w = self.lm_head.weight
+        if self._head_cache is None or self._head_cache[0] is not w:
+            rows = self.draft_vocab.to(w.device)
+            bias = getattr(self.lm_head, "bias", None)
+            self._head_cache = (w, w[rows].contiguous(), None if bias is None else bias[rows], rows)
+        return self._head_cache[1:]
+
     def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
                 ctx_valid: torch.Tensor) -> torch.Tensor:
         """Greedy draft tokens [b, B-1] for the mask slots of each block (greedy even when the target samples:
         a one-hot proposal keeps acceptance high and the verification rule keeps the output exact)."""
-        hidden = self(block_ids, block_pos, cache, ctx_valid)
-        return self.logits(hidden[:, 1:]).argmax(-1)
+        hidden = self(block_ids, block_pos, cache, ctx_valid)[:, 1:]
+        if self.draft_vocab is None:
+            return self.logits(hidden).argmax(-1)
+        weight, bias, rows = self._draft_head()
+        return rows[F.linear(hidden.to(weight.dtype), weight, bias).argmax(-1)]
 
 
 def check_fits(config: DFlashConfig, target) -> None:

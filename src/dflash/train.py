@@ -35,6 +35,7 @@ class TrainConfig:
     features: str | None = None  # folder written by `dflash features`
     init_draft: str | None = None  # start from these weights instead of a fresh draft
     init_from_target: bool = False  # fresh draft layers start as copies of the target's last layers
+    draft_vocab_size: int | None = None  # proposals limited to this many most frequent answer tokens
     num_layers: int = 1
     block_size: int = 16
     target_layer_ids: list[int] | None = None
@@ -238,6 +239,14 @@ class FeatureStore:
         return self._open[1][str(idx)]
 
 
+def frequent_tokens(records: list[dict], n: int) -> list[int]:
+    """The n most frequent answer tokens (ties by id), for a draft vocabulary."""
+    from collections import Counter
+
+    counts = Counter(t for r in records for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+
+
 def dataset_fingerprint(records: list[dict], max_length: int) -> str:
     import hashlib
 
@@ -394,6 +403,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             n = target.config.get_text_config().num_hidden_layers
             draft.init_from_target_layers(target, list(range(n - cfg.num_layers, n)))
         draft.to(torch.float32)
+    if cfg.draft_vocab_size:
+        draft.set_draft_vocab(frequent_tokens([records[i] for i in train_idx], cfg.draft_vocab_size))
     draft.train()
     layer_ids = draft.config.target_layer_ids
     store = None
