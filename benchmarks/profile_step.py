@@ -1,0 +1,81 @@
+"""Where a DFlash step's time goes: draft propose, draft context write, target verify, and the rest
+(bookkeeping), per step, next to a plain decoding step. Prints a table and ends with one JSON line.
+
+    python benchmarks/profile_step.py --draft runs/prelim/final [--data DATASET --draft-vocab-size 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from dflash import ar_generate, spec_generate
+from dflash import model as model_mod
+from dflash import target as target_mod
+from dflash.loading import DEFAULT_MODEL, load_draft, load_target
+
+PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+          "How many clips did Natalia sell altogether in April and May?")
+
+
+def main():
+    ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="target")
+    ap.add_argument("--draft", required=True, help="draft folder")
+    ap.add_argument("--prompt", default=PROMPT, help="user message")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--data", default=None, help="regenerated dataset, for --draft-vocab-size")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
+    args = ap.parse_args()
+    target, tok = load_target(args.model, threads=args.threads)
+    draft = load_draft(args.draft, target)
+    if args.draft_vocab_size:
+        from dflash.regenerate import read_dataset
+        from dflash.train import frequent_tokens
+
+        draft.set_draft_vocab(frequent_tokens(read_dataset([args.data]), args.draft_vocab_size))
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                add_generation_prompt=True, tokenize=True)["input_ids"]])
+    spent = {"propose": 0.0, "context write": 0.0, "target forward": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    model_mod.DFlashDraftModel.propose = timed("propose", model_mod.DFlashDraftModel.propose)
+    model_mod.DFlashDraftModel.write_context = timed("context write", model_mod.DFlashDraftModel.write_context)
+    target_mod.TargetAdapter.forward = timed("target forward", target_mod.TargetAdapter.forward)
+    rows, report = [], {}
+    for method in ("dflash", "ar"):
+        run = (lambda: spec_generate(target, draft, ids, max_new_tokens=args.max_new_tokens, return_stats=True)) \
+            if method == "dflash" else (lambda: ar_generate(target, ids, max_new_tokens=args.max_new_tokens,
+                                                            return_stats=True))
+        run()  # warm-up
+        for k in spent:
+            spent[k] = 0.0
+        t = time.perf_counter()
+        out = run()
+        total = time.perf_counter() - t
+        steps = out.num_steps + 1  # + the prefill
+        per = {k: 1000 * v / steps for k, v in spent.items()}
+        per["other"] = 1000 * total / steps - sum(per.values())
+        report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": steps,
+                          "tau": round(out.tau, 3), "tokens_per_s": round(out.num_new_tokens[0] / total, 2)}
+        rows.append(f"{method:7s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
+                    f" {out.tau:6.2f} {out.num_new_tokens[0] / total:8.1f}")
+    print(f"{'method':7s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) + f" {'tau':>6s} {'tok/s':>8s}")
+    print("\n".join(rows))
+    print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size,
+                      "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))
+
+
+if __name__ == "__main__":
+    main()
