@@ -60,7 +60,7 @@ def chi_square_z(counts: dict, probs: dict, n: int) -> float:
 def sample_counts(fn, prompt, seed):
     counts = {}
     g = torch.Generator().manual_seed(seed)
-    for chunk in range(N // 3000):
+    for _ in range(N // 3000):
         ids = prompt[None].repeat(3000, 1)
         seqs = fn(ids, g)[:, prompt.shape[0]:]
         assert seqs.shape[1] == STEPS

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

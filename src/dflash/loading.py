@@ -218,7 +218,6 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
                               f"{str(e).splitlines()[0]}") from None
     model = model.to(device).eval()
     model.requires_grad_(False)
-    model.name_or_path_alias = os.fspath(name_or_path)
     return model, tokenizer
 
 
