@@ -22,6 +22,8 @@ def test_fresh_draft_reproduces_plain_greedy_decoding():
                                                 add_generation_prompt=True, tokenize=True)["input_ids"]])
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=16, tokenizer=tok)
     assert draft.config.target_layer_ids == [15]
+    # no spare embedding rows (49152 = len(tokenizer)): an added token the chat template never uses
+    assert tok.convert_ids_to_tokens(draft.config.mask_token_id) == "<empty_output>"
     ar = ar_generate(target, ids, max_new_tokens=32, return_stats=True)
     spec = spec_generate(target, draft, ids, max_new_tokens=32, return_stats=True)
     assert torch.equal(spec.sequences, ar.sequences)

@@ -40,6 +40,16 @@ def test_labels_align_with_block_slots():
     assert labels.tolist() == [[105, 106, 107], [-100, 111, -100]]
 
 
+def test_mask_token_choice(lang):
+    from dflash.model import choose_mask_token_id
+
+    target, tok, _ = lang
+    assert target.get_input_embeddings().weight.shape[0] == len(tok) + 1
+    assert choose_mask_token_id(target, tok) == len(tok)  # the spare embedding row
+    no_spare = tiny_target("llama", vocab=len(tok))
+    assert choose_mask_token_id(no_spare, tok) == tok.convert_tokens_to_ids("<mask>")  # a reserved token
+
+
 def test_frequent_tokens_count_answer_tokens_only():
     from dflash.train import frequent_tokens
 
