@@ -46,7 +46,8 @@ def main():
         "## Data",
         f"- {n_samples} answers ({n_tokens} answer tokens) written by the target itself "
         f"(`dflash regenerate`, temperature {manifest['temperature']}, up to {manifest['max_new_tokens']} new "
-        f"tokens) for the prompt sets {', '.join(manifest['sources'])}: training splits only.",
+        f"tokens) for the prompt sets {', '.join(manifest['sources'])}: training splits only. The run trained on "
+        f"{cfg['train_records']} of them and held out {cfg['eval_records']} for tau.",
         "",
         "## Training",
         f"- {draft_cfg['num_hidden_layers']} draft layer(s), block size {draft_cfg['block_size']}, target layers "
