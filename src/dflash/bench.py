@@ -100,11 +100,12 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, 
 
 def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, out_stream=None) -> dict:
     from .generate import ar_generate, spec_generate
-    from .regenerate import encode_prompt, left_pad
+    from .generate import default_stop_token_ids
+    from .regenerate import encode_prompt, left_pad, pad_id_for
 
     sets = load_bench_prompts(cfg)
     B = cfg.block_size or draft.config.block_size
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id_for(tokenizer, default_stop_token_ids(target))
     device = next(target.parameters()).device
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
 

@@ -57,6 +57,13 @@ def encode_prompt(tokenizer, messages: list[dict], system: str | None = None) ->
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
 
+def pad_id_for(tokenizer, stop_ids: list[int]) -> int:
+    """Padding id for left-padded prompt batches (masked out, so any valid id works)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return stop_ids[0] if stop_ids else 0
+
+
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     P = max(len(r) for r in rows)
     ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
@@ -125,7 +132,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     finished = done_chunks(output)
     todo = [s for s in starts if s not in finished]
     stop_ids = default_stop_token_ids(target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    pad_id = pad_id_for(tokenizer, stop_ids)
     t0, new_tokens, written = time.perf_counter(), 0, 0
     bar = tqdm(total=n, initial=n - sum(min(cfg.batch_size, n - s) for s in todo), unit="sample",
                desc="regenerate", disable=not progress, dynamic_ncols=True)

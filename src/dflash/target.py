@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,24 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise DFlashConfigError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+@contextmanager
+def tap_layers(layers: nn.ModuleList, layer_ids: list[int]):
+    """Records the outputs of layers[i] for i in layer_ids into the yielded dict while the block runs."""
+    got: dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        def fn(module, args, output):
+            got[i] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    hooks = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 class TargetAdapter:
     """Runs the target over slot-indexed KV storage and taps the layers the draft needs.
 
@@ -40,7 +59,6 @@ class TargetAdapter:
         self.layers = decoder_layers(model) if self.layer_ids else None
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._captured: dict[int, torch.Tensor] = {}
         self.cache = None
         self.valid = None
         self.pointer = 0
@@ -110,11 +128,6 @@ class TargetAdapter:
         self.valid[:, :m] = new_valid
 
     # ---- forward -------------------------------------------------------------------------------------
-    def _hook(self, i):
-        def fn(module, args, output):
-            self._captured[i] = output[0] if isinstance(output, tuple) else output
-        return fn
-
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, capture: bool,
                 logits_to_keep: int = 0, slot_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Writes input_ids [b, q] at slots pointer..pointer+q; returns logits [b, q', V] and features
@@ -124,17 +137,11 @@ class TargetAdapter:
             raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
         # the caller decides which of the new slots count; they must be visible to this forward
         self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
-        hooks = []
-        if capture:
-            hooks = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-        try:
+        with tap_layers(self.layers, self.layer_ids if capture else []) as got:
             out = self.model(input_ids=input_ids, attention_mask=self.valid, position_ids=position_ids,
                              use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kw: self.cache})
-        finally:
-            for h in hooks:
-                h.remove()
         self.pointer += q
         features = None
         if capture:
-            features = torch.cat([self._captured.pop(i) for i in self.layer_ids], dim=-1)
+            features = torch.cat([got[i] for i in self.layer_ids], dim=-1)
         return out.logits, features

@@ -191,18 +191,11 @@ class DFlashTrainStep(nn.Module):
 @torch.no_grad()
 def target_features(target, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
     """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]."""
-    from .target import decoder_layers
+    from .target import decoder_layers, tap_layers
 
-    layers = decoder_layers(target)
-    got = {}
-    hooks = [layers[i].register_forward_hook(
-        lambda m, a, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)) for i in layer_ids]
-    try:
-        # only the layers up to the deepest tap matter, but HF runs them all; logits_to_keep=1 skips the big head
+    with tap_layers(decoder_layers(target), layer_ids) as got:
+        # logits_to_keep=1 skips most of the LM head; only the tapped layer outputs are wanted
         target(input_ids=input_ids[None].to(target.device), use_cache=False, logits_to_keep=1)
-    finally:
-        for h in hooks:
-            h.remove()
     return torch.cat([got[i][0] for i in layer_ids], -1)
 
 
