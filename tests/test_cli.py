@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from dflash import DFlashDraftModel
-from dflash.cli import Session, TextStream, build_parser
+from dflash.cli import Session, build_parser
+from dflash.engine import TextStream
 from dflash.loading import load_target
 
 
@@ -139,3 +140,22 @@ def test_help_shows_defaults():
         assert r.returncode == 0
         if cmd[0] != "--help":
             assert "(default: 256)" in r.stdout and "(default: smollm2-135m-instruct)" in r.stdout
+
+
+def test_bench_serve_runs_dflash_and_ar_servers(tiny_gguf, setup, tmp_path):
+    import json
+
+    home, draft = setup
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["hello the", "the cat", "a b c"]) + "\n")
+    out = tmp_path / "bs"
+    r = run("bench-serve", "--model", tiny_gguf, "--draft", draft, "--dtype", "float32", "--threads", "1",
+            "--prompts", prompts, "--concurrency", "1,3", "--num-prompts", "3", "--max-tokens", "12", "--out", out,
+            env_home=home)
+    assert r.returncode == 0, r.stderr + r.stdout
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(summary["throughput_ratio"]) == {"1", "3"} and summary["greedy_mismatches"] == 0
+    report = json.loads((out / "results.json").read_text())
+    assert [row["concurrency"] for row in report["results"]["dflash"]] == [1, 3]
+    assert all(row["tokens"] > 0 and row["ttft_p50_s"] > 0 for rows in report["results"].values() for row in rows)
+    assert (out / "pareto.png").stat().st_size > 0

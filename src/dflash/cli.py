@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=1024, help="longer prompts are skipped")
     reg.add_argument("--limit", type=_int_at_least(1), default=None, help="answer only the first N prompts")
     reg.add_argument("--data-dir", default=None, help="folder of the named sets; None = $DFLASH_DATA_DIR")
+    reg.add_argument("--base-url", default=None, help="an OpenAI-compatible server running --model (ours, vLLM, "
+                     "SGLang), e.g. http://host:8000/v1; None = run the model here")
     reg.set_defaults(max_new_tokens=512)
     _train_parsers(sub, fmt)
     be = sub.add_parser("bench", formatter_class=fmt, help="measure DFlash against plain decoding",
@@ -105,7 +107,43 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
+                        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
+                        "every decode step is one batched DFlash step over all running requests.")
+    _serve_options(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=_int_at_least(0), default=8000, help="port (0 = any free one)")
+    sv.add_argument("--served-model-name", default=None, help="name clients pass as `model`; None = --model")
+    bs = sub.add_parser("bench-serve", formatter_class=fmt, help="throughput and latency of the server under load",
+                        description="Drive a server with N concurrent streaming clients per concurrency level, "
+                        "DFlash and AR in one run; print a table, write results.json and a Pareto plot.")
+    _serve_options(bs)
+    bs.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated client counts")
+    bs.add_argument("--base-url", default=None, help="measure a running server instead of starting ours")
+    bs.add_argument("--datasets", default="gsm8k,humaneval,mt-bench", help="prompt sets (comma-separated)")
+    bs.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
+    bs.add_argument("--num-prompts", type=_int_at_least(1), default=None,
+                    help="requests per concurrency level; None = 2 x concurrency (at least 4)")
+    bs.add_argument("--max-tokens", type=_int_at_least(1), default=256, help="tokens per answer")
+    bs.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
+    bs.add_argument("--out", default="bench-serve-out", help="folder for results.json and the plot")
     return parser
+
+
+def _serve_options(p) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in alias, HF model folder, .gguf file or hub id")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
+    g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--max-batch-size", type=_int_at_least(1), default=16, help="sequences decoding together")
+    p.add_argument("--max-queue", type=_int_at_least(0), default=256, help="waiting requests before 429s")
+    p.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=None, help="None = the model's context")
+    p.add_argument("--prefill-tokens", type=_int_at_least(1), default=512,
+                   help="prompt tokens prefilled per step while others decode")
+    p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
+    p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
+    p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
 
 
 _TRAIN_HELP = {
@@ -209,26 +247,6 @@ def cmd_features(args) -> int:
     return 0
 
 
-class TextStream:
-    """Turns committed token ids into printable text deltas, holding back incomplete UTF-8 sequences."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0
-
-    def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.emitted = text[self.emitted:], len(text)
-        return delta
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-
 class Session:
     """A loaded target (and draft) answering chat turns as a stream of text."""
 
@@ -238,16 +256,7 @@ class Session:
         self.args = args
         self.target, self.tokenizer = load_target(args.model, dtype=args.dtype, device=args.device,
                                                   threads=args.threads)
-        self.draft = None
-        if args.draft is not None:
-            self.draft = load_draft(args.draft, self.target)
-        elif not args.no_draft:
-            found = shipped_draft(args.model)
-            if found is not None:
-                self.draft = load_draft(found, self.target)
-            else:
-                print(f"dflash: no draft is shipped for {args.model}; decoding without one (pass --draft DIR)",
-                      file=sys.stderr)
+        self.draft = None if args.no_draft else resolve_draft(args.model, args.draft, self.target)
         self.stop_ids = default_stop_token_ids(self.target)
         self.generator = torch.Generator(device=self.target.device).manual_seed(args.seed)
 
@@ -258,6 +267,7 @@ class Session:
 
     def answer(self, messages: list[dict], out=sys.stdout):
         """Streams the answer to `out`; returns (text, GenerationOutput)."""
+        from .engine import TextStream
         from .generate import stream_generate
 
         a = self.args
@@ -273,7 +283,19 @@ class Session:
                 break
             out.write(text.push(rows[0]))
             out.flush()
-        return text.text(), result
+        out.write(text.push([], final=True))
+        return text.text, result
+
+
+def resolve_draft(model, draft, target):
+    """--draft if given, else the draft shipped for the model, else None (said on stderr)."""
+    if draft is not None:
+        return load_draft(draft, target)
+    found = shipped_draft(model)
+    if found is None:
+        print(f"dflash: no draft is shipped for {model}; decoding without one (pass --draft DIR)", file=sys.stderr)
+        return None
+    return load_draft(found, target)
 
 
 def stats_line(result) -> str:
@@ -333,7 +355,10 @@ def cmd_regenerate(args) -> int:
                            draft=None if args.no_draft else args.draft, max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, batch_size=args.batch_size, limit=args.limit, seed=args.seed,
-                           system=args.system)
+                           system=args.system, base_url=args.base_url)
+    if args.base_url:  # the server runs the model; only its tokenizer is needed here
+        regenerate(cfg, data_dir=args.data_dir)
+        return 0
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     regenerate(cfg, target=target, tokenizer=tokenizer, data_dir=args.data_dir)
     return 0
@@ -355,6 +380,34 @@ def cmd_bench(args) -> int:
     return 1 if report["real_mismatches"] else 0
 
 
+def _engine(args):
+    from .engine import EngineConfig, LLMEngine
+
+    target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    draft = None if args.no_draft else resolve_draft(args.model, args.draft, target)
+    cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
+                       max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens)
+    return LLMEngine(target, tokenizer, draft, cfg)
+
+
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    engine = _engine(args)
+    kind = f"DFlash, block {engine.block_size}" if engine.draft is not None else "no draft"
+    print(f"dflash serve: {args.model} ({kind}), max batch {args.max_batch_size}, context {engine.max_model_len}",
+          file=sys.stderr)
+    serve(engine, args.served_model_name or str(args.model), host=args.host, port=args.port)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from .bench_serve import run_bench_serve
+
+    report = run_bench_serve(args)
+    return 0 if report else 1
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -363,7 +416,8 @@ def main(argv=None) -> int:
     hf_logging.set_verbosity_error()
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
-                "features": cmd_features, "bench": cmd_bench}[args.command](args)
+                "features": cmd_features, "bench": cmd_bench, "serve": cmd_serve,
+                "bench-serve": cmd_bench_serve}[args.command](args)
     except DFlashError as e:
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2

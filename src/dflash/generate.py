@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DFlashInputError
-from .model import DFlashDraftModel, DraftKVCache
+from .batch import SpecBatch
+from .model import DFlashDraftModel
 from .sampling import SamplingParams, choose_tokens
-from .target import TargetAdapter
 
 
 @dataclass
@@ -145,8 +145,6 @@ class _Generation:
         self.n_gen = torch.zeros(b, dtype=torch.long, device=self.device)
         self.acceptance: list[int] = []
         self.num_steps = 0
-        self.compactions = 0
-        self.growths = 0
         self.ttft = 0.0
         self.total = 0.0
 
@@ -175,72 +173,42 @@ class _Generation:
         b, P = self.input_ids.shape
         if self.max_new == 0:
             return
-        draft, B = self.draft, self.B
-        self.adapter = adapter = TargetAdapter(self.target, draft.config.target_layer_ids if draft else None)
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        self.max_capacity = P + self.max_new + B
-        adapter.reset(b, min(self.max_capacity, P + min(self.max_new, 256) + B))
+        self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + self.B)
+        batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
-        prompt_len = self.mask.sum(1)
         pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
+        anchor_pos = self.mask.sum(1)  # [b] position of each row's last committed token (the anchor)
 
         # prefill: the whole prompt in one forward; the first token is the target's alone
-        logits, feats = adapter.forward(self.input_ids, pos, capture=draft is not None, logits_to_keep=1,
-                                        slot_valid=self.mask)
-        first = choose_tokens(logits[:, -1], self.sampling, self.generator)  # [b]
+        first = choose_tokens(batch.extend(self.input_ids, pos, self.mask), self.sampling, self.generator)  # [b]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         _, done = self._commit(live, first[:, None], torch.ones_like(first), done)
         _sync(self.device)
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
 
-        j = torch.arange(B, device=self.device)
-        if draft is not None:
-            self.dcache = DraftKVCache(draft.config, b, adapter.capacity, self.device, draft.fc.weight.dtype)
-            self.dcache.positions[:, :P] = pos
-            # target features not yet in the draft cache, and the slot they go to
-            self.pending = (feats.masked_fill(~self.mask[..., None], 0), 0)
-            mask_block = torch.full((b, B - 1), draft.config.mask_token_id, dtype=torch.long, device=self.device)
+        j = torch.arange(self.B, device=self.device)
         n_done = int(done.sum())
         while n_done < len(live):
             if n_done >= max(1, len(live) // 8):
                 # retire finished rows so the batch stops paying for them (one copy of the caches)
                 keep = (~done).nonzero().flatten()
-                live, done, prompt_len = live[keep], done[keep], prompt_len[keep]
-                adapter.select_rows(keep)
-                if draft is not None:
-                    self.dcache.select_rows(keep)
-                    self.pending = (self.pending[0][keep], self.pending[1])
-                    mask_block = mask_block[:len(keep)]
-            p = adapter.pointer
+                live, done, anchor_pos = live[keep], done[keep], anchor_pos[keep]
+                batch.select_rows(keep)
             n_gen = self.n_gen[live]
-            anchor = self.out[live].gather(1, (n_gen - 1)[:, None])  # [L, 1] last committed token
-            block_pos = (prompt_len + n_gen - 1)[:, None] + j  # [L, B] absolute positions of the block
-            if draft is not None:
-                self._flush_pending()
-                proposal = draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
-                                         adapter.valid[:, :p])
-                verify_ids = torch.cat([anchor, proposal], 1)
-            else:
-                verify_ids = anchor
-            logits, feats = adapter.forward(verify_ids, block_pos, capture=draft is not None)
-            choice = choose_tokens(logits, self.sampling, self.generator)  # [L, B]
-            # accepted drafts: the prefix where draft token i+1 equals the target's choice at i
-            accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
+            anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
+            choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
+                                          lambda logits: choose_tokens(logits, self.sampling, self.generator))
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
-            # cache keeps [anchor, accepted drafts] = the slots before the new anchor
-            adapter.valid[:, p:p + B] = j < n_take[:, None]
-            if draft is not None:
-                self.dcache.positions[:, p:p + B] = block_pos
-                self.pending = (feats, p)
+            anchor_pos = anchor_pos + n_take
             advance, n_done, acc = (torch.stack([n_take.max(), done.sum()]).tolist()
                                     + [(accepted + 1)[active].tolist()])
+            # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
+            batch.commit(n_take, advance)
             self.acceptance += acc
             self.num_steps += 1
-            adapter.rewind(B - advance)
-            if adapter.pointer + B > adapter.capacity:
-                self._make_room()
             step = [[] for _ in range(b)]
             for r, row, n in zip(live.tolist(), choice.tolist(), n_take.tolist()):
                 step[r] = row[:n]
@@ -248,41 +216,14 @@ class _Generation:
         _sync(self.device)
         self.total = time.perf_counter() - t0
 
-    def _flush_pending(self) -> None:
-        feats, slot = self.pending
-        self.draft.write_context(feats, self.dcache, slot)
-        self.pending = (feats[:, :0], 0)
-
-    def _compact(self) -> None:
-        self.compactions += 1
-        index, new_valid = self.adapter.compaction_index()
-        self.adapter.compact(index, new_valid)
-        if self.draft is not None:
-            self.dcache.gather_slots(index)
-
-    def _make_room(self) -> None:
-        """Frees room for the next block: squeeze out holes when there are enough, else grow (doubling), and
-        squeeze anyway once the storage is at its full size (which always fits every row after compaction)."""
-        adapter, B = self.adapter, self.B
-        if self.draft is not None:  # pending features must be in the draft cache before slots move
-            self._flush_pending()
-        if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:
-            self._compact()
-        if adapter.pointer + B > adapter.capacity and adapter.capacity < self.max_capacity:
-            adapter.grow(min(self.max_capacity, max(adapter.pointer + B, 2 * adapter.capacity)))
-            self.growths += 1
-            if self.draft is not None:
-                self.dcache.grow(adapter.capacity)
-        if adapter.pointer + B > adapter.capacity:
-            self._compact()
-
     def result(self) -> GenerationOutput:
         n = self.n_gen.tolist()
         width = max(n, default=0)
         seq = torch.cat([self.input_ids, self.out[:, :width]], 1)
         return GenerationOutput(sequences=seq, num_new_tokens=n, block_size=self.B,
-                                acceptance_lengths=self.acceptance, num_steps=self.num_steps, compactions=self.compactions,
-                                cache_growths=self.growths,
+                                acceptance_lengths=self.acceptance, num_steps=self.num_steps,
+                                compactions=self.batch.compactions if self.max_new else 0,
+                                cache_growths=self.batch.growths if self.max_new else 0,
                                 time_to_first_token=self.ttft, total_time=self.total)
 
 

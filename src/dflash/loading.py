@@ -195,6 +195,29 @@ def _load_gguf(gguf_path: Path, dtype):
     return model, tokenizer
 
 
+def _local(name_or_path) -> tuple[str, str]:
+    kind, location = resolve(name_or_path)
+    if kind == "gguf":
+        kind, location = "folder", str(convert_gguf(location))
+    return kind, location
+
+
+def _load_error(name_or_path, kind, location, e: OSError) -> DFlashLoadError:
+    where = "the hub (or its offline cache)" if kind == "hub" else location
+    return DFlashLoadError(f"cannot load model {os.fspath(name_or_path)!r} from {where}: {str(e).splitlines()[0]}")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
+    """The tokenizer alone (for work whose model runs elsewhere, e.g. behind --base-url)."""
+    from transformers import AutoTokenizer
+
+    kind, location = _local(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except OSError as e:
+        raise _load_error(name_or_path, kind, location, e) from None
+
+
 def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, device=None, threads=None):
     """(model, tokenizer) for an alias, a local HF folder, a .gguf file or a hub id.
 
@@ -206,16 +229,12 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
     if device.type == "cpu":
         set_default_threads(threads)
     dtype = _resolve_dtype(dtype, device)
-    kind, location = resolve(name_or_path)
-    if kind == "gguf":
-        kind, location = "folder", str(convert_gguf(location))
+    kind, location = _local(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
         model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
     except OSError as e:
-        where = "the hub (or its offline cache)" if kind == "hub" else location
-        raise DFlashLoadError(f"cannot load model {os.fspath(name_or_path)!r} from {where}: "
-                              f"{str(e).splitlines()[0]}") from None
+        raise _load_error(name_or_path, kind, location, e) from None
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model, tokenizer

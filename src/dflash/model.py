@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
 from .errors import DFlashConfigError
+from .target import join_rows
 
 
 class RMSNorm(nn.Module):
@@ -62,6 +63,13 @@ class DraftKVCache:
         self.keys = self.keys.index_select(1, keep)
         self.values = self.values.index_select(1, keep)
         self.positions = self.positions.index_select(0, keep)
+
+    def merge(self, other: "DraftKVCache", shifts: tuple[int, int], capacity: int) -> None:
+        """Appends other's rows, each side's slots shifted right as the target cache's were."""
+        self.keys = join_rows(self.keys, other.keys, shifts, capacity, row_dim=1, slot_dim=3)
+        self.values = join_rows(self.values, other.values, shifts, capacity, row_dim=1, slot_dim=3)
+        self.positions = join_rows(self.positions, other.positions, shifts, capacity, row_dim=0, slot_dim=1)
+        self.capacity = capacity
 
     def gather_slots(self, index: torch.Tensor) -> None:
         """Moves slots so that row b's slot j takes old slot index[b, j] (used to compact the cache)."""

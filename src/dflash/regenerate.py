@@ -40,11 +40,12 @@ class RegenerateConfig:
     limit: int | None = None  # first N prompts of the fixed order only
     seed: int = 0
     system: str | None = None
+    base_url: str | None = None  # an OpenAI-compatible server that runs the model (ours, vLLM, SGLang)
 
     def identity(self) -> dict:
         """Settings a resumed run must share with the run that started the folder."""
         d = asdict(self)  # batch_size stays: chunk boundaries must not move
-        del d["output"], d["limit"]
+        del d["output"], d["limit"], d["base_url"]  # where the model runs may change between sittings
         return d
 
 
@@ -107,16 +108,22 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
 
     from .generate import default_stop_token_ids, stream_generate
     from .generate import run as run_stream
-    from .loading import load_draft, load_target
+    from .loading import load_draft, load_target, load_tokenizer
 
     output = Path(cfg.output)
     _check_manifest(output, cfg)
     bad: list[BadLine] = []
     prompts = read_prompts(cfg.sources, data_dir, bad)
-    if target is None:
-        target, tokenizer = load_target(cfg.model)
-    if draft is None and cfg.draft:
-        draft = load_draft(cfg.draft, target)
+    if cfg.base_url:
+        if tokenizer is None:
+            tokenizer = load_tokenizer(cfg.model)
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    else:
+        if target is None:
+            target, tokenizer = load_target(cfg.model)
+        if draft is None and cfg.draft:
+            draft = load_draft(cfg.draft, target)
+        stop_ids = default_stop_token_ids(target)
     encoded, too_long = [], []
     for p in prompts:
         ids = encode_prompt(tokenizer, p.messages, cfg.system)
@@ -131,22 +138,25 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     starts = list(range(0, n, cfg.batch_size))
     finished = done_chunks(output)
     todo = [s for s in starts if s not in finished]
-    stop_ids = default_stop_token_ids(target)
     pad_id = pad_id_for(tokenizer, stop_ids)
     t0, new_tokens, written = time.perf_counter(), 0, 0
     bar = tqdm(total=n, initial=n - sum(min(cfg.batch_size, n - s) for s in todo), unit="sample",
                desc="regenerate", disable=not progress, dynamic_ncols=True)
     for s in todo:
         chunk = encoded[s:s + cfg.batch_size]
-        ids, mask = left_pad([c[1] for c in chunk], pad_id)
-        gen = torch.Generator(device=next(target.parameters()).device).manual_seed(cfg.seed * 1_000_003 + s)
-        kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                  stop_token_ids=stop_ids, generator=gen)
-        out = run_stream(stream_generate(target, draft, ids, mask, **kw))
+        if cfg.base_url:
+            answers = remote_answers(cfg, [c[0].messages for c in chunk], s, tokenizer, stop_ids)
+        else:
+            ids, mask = left_pad([c[1] for c in chunk], pad_id)
+            gen = torch.Generator(device=next(target.parameters()).device).manual_seed(cfg.seed * 1_000_003 + s)
+            kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
+                      top_p=cfg.top_p, stop_token_ids=stop_ids, generator=gen)
+            out = run_stream(stream_generate(target, draft, ids, mask, **kw))
+            answers = [out.sequences[i, ids.shape[1]:ids.shape[1] + k].tolist()
+                       for i, k in enumerate(out.num_new_tokens)]
         lines = []
-        for i, (prompt, prompt_ids) in enumerate(chunk):
-            k = out.num_new_tokens[i]
-            answer = out.sequences[i, ids.shape[1]:ids.shape[1] + k].tolist()
+        for (prompt, prompt_ids), answer in zip(chunk, answers):
+            k = len(answer)
             finish = "stop" if answer and answer[-1] in stop_ids else "length"
             text = tokenizer.decode(answer, skip_special_tokens=True)
             lines.append(json.dumps({
@@ -166,6 +176,41 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
           f"{summary['seconds']} s); skipped {len(bad)} bad lines and {len(too_long)} over-long prompts",
           file=sys.stderr)
     return summary
+
+
+def remote_answers(cfg: RegenerateConfig, conversations: list[list[dict]], chunk_start: int, tokenizer,
+                   stop_ids: list[int]) -> list[list[int]]:
+    """The chunk's answers from an OpenAI-compatible server, all requests in flight at once, as token ids
+    (the text re-encoded; the stop token appended when the server stopped on it)."""
+    import asyncio
+
+    import openai
+
+    async def ask_all():
+        client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
+                                    timeout=3600)
+        extra = {"top_k": cfg.top_k} if cfg.top_k else {}
+        try:
+            model = (await client.models.list()).data[0].id  # the server's name for it may differ from ours
+            return await asyncio.gather(*[client.chat.completions.create(
+                model=model, messages=([{"role": "system", "content": cfg.system}] if cfg.system else []) + msgs,
+                max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                seed=cfg.seed * 1_000_003 + chunk_start + i, extra_body=extra)
+                for i, msgs in enumerate(conversations)])
+        finally:
+            await client.close()
+
+    try:
+        replies = asyncio.run(ask_all())
+    except openai.OpenAIError as e:
+        raise DFlashError(f"the server at {cfg.base_url} failed: {e}") from None
+    answers = []
+    for r in replies:
+        ids = tokenizer(r.choices[0].message.content or "", add_special_tokens=False)["input_ids"]
+        if r.choices[0].finish_reason == "stop" and stop_ids:
+            ids = ids + stop_ids[:1]
+        answers.append(ids[:cfg.max_new_tokens])
+    return answers
 
 
 def read_dataset(paths: list[str | os.PathLike]) -> list[dict]:

@@ -42,6 +42,17 @@ def tap_layers(layers: nn.ModuleList, layer_ids: list[int]):
             h.remove()
 
 
+def join_rows(a: torch.Tensor, b: torch.Tensor, shifts: tuple[int, int], capacity: int, row_dim: int = 0,
+              slot_dim: int = 2) -> torch.Tensor:
+    """Stacks the rows of a and b into storage of `capacity` slots, each moved `shifts[i]` slots right."""
+    shape = list(a.shape)
+    shape[row_dim], shape[slot_dim] = a.shape[row_dim] + b.shape[row_dim], capacity
+    out = a.new_zeros(shape)
+    for part, first_row, shift in ((a, 0, shifts[0]), (b, a.shape[row_dim], shifts[1])):
+        out.narrow(row_dim, first_row, part.shape[row_dim]).narrow(slot_dim, shift, part.shape[slot_dim]).copy_(part)
+    return out
+
+
 class TargetAdapter:
     """Runs the target over slot-indexed KV storage and taps the layers the draft needs.
 
@@ -104,6 +115,21 @@ class TargetAdapter:
                 layer.values = layer.values.index_select(0, keep)
                 layer.batch_size = len(keep)
         self.valid = self.valid.index_select(0, keep)
+
+    def merge(self, other: "TargetAdapter") -> tuple[int, int]:
+        """Appends the rows of `other`. Each side's slots shift right so that both end at the same pointer
+        (positions travel with the keys, so where a token sits does not matter). Returns the two shifts."""
+        p = max(self.pointer, other.pointer)
+        shifts = (p - self.pointer, p - other.pointer)
+        capacity = max(shifts[0] + self.capacity, shifts[1] + other.capacity)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = join_rows(mine.keys, theirs.keys, shifts, capacity)
+            mine.values = join_rows(mine.values, theirs.values, shifts, capacity)
+            mine.batch_size, mine.max_cache_len = mine.keys.shape[0], capacity
+            mine.cumulative_length.fill_(p)
+        self.valid = join_rows(self.valid, other.valid, shifts, capacity, row_dim=0, slot_dim=1)
+        self.capacity, self.pointer = capacity, p
+        return shifts
 
     def compaction_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index [b, m] that right-aligns each row's valid slots (as left padding would), and the new valid mask."""

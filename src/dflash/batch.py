@@ -1,0 +1,159 @@
+"""The tensors of a batch of sequences decoding together: both caches and one draft -> verify step.
+
+`_Generation` (one `generate` call) and the serving engine (sequences joining and leaving between steps)
+drive the same object, so the step that makes the output lossless exists once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .model import DFlashDraftModel, DraftKVCache
+from .target import TargetAdapter
+
+
+class SpecBatch:
+    """Target cache, draft cache and the speculative step for a batch of rows.
+
+    Rows are independent sequences at their own positions that write into shared slot columns: every forward
+    writes its q tokens at slots [pointer, pointer+q) of every row, and a row's `valid` flags say which slots
+    hold its committed tokens. Rolling back is moving the pointer; rows that accepted fewer tokens than the
+    others leave masked holes that `make_room` squeezes out when the storage runs out.
+    """
+
+    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_capacity: int):
+        self.target, self.draft = target, draft
+        self.B = block_size if draft is not None else 1
+        self.adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else None)
+        self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
+        self.dcache: DraftKVCache | None = None
+        self.pending: tuple[torch.Tensor, int] | None = None  # target features not yet in the draft cache, slot
+        self.compactions = 0
+        self.growths = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.adapter.valid is None else self.adapter.valid.shape[0]
+
+    @property
+    def pointer(self) -> int:
+        return self.adapter.pointer
+
+    def start(self, batch_size: int, capacity: int) -> None:
+        """Empty storage for `batch_size` rows and `capacity` slots."""
+        self.adapter.reset(batch_size, min(capacity, self.max_capacity))
+        if self.draft is not None:
+            self.dcache = DraftKVCache(self.draft.config, batch_size, self.adapter.capacity, self.device,
+                                       self.draft.fc.weight.dtype)
+            self.pending = None
+
+    def extend(self, input_ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Appends prompt tokens input_ids [b, q] (left padding: mask False) at positions pos [b, q]; a long
+        prompt can come in several chunks. Returns the target's logits at the last position [b, V]."""
+        q = input_ids.shape[1]
+        if self.pointer + q > self.adapter.capacity:
+            self._grow(max(self.pointer + q, min(self.max_capacity, 2 * self.adapter.capacity)))
+        slot = self.pointer
+        logits, feats = self.adapter.forward(input_ids, pos, capture=self.draft is not None, logits_to_keep=1,
+                                             slot_valid=mask)
+        if self.draft is not None:
+            self.flush()
+            self.dcache.positions[:, slot:slot + q] = pos
+            self.pending = (feats.masked_fill(~mask[..., None], 0), slot)
+        return logits[:, -1]
+
+    def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]):
+        """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
+        forward and `choose` turns its logits [L, B, V] into its own choice at every position [L, B].
+
+        anchor: [L] last committed token of each row; block_pos: [L, B] absolute positions of the block.
+        Returns (choice [L, B], accepted [L]): draft tokens 1..accepted equal the target's choices before them,
+        so choice[:, :accepted+1] may be committed. Call `commit` next.
+        """
+        anchor = anchor[:, None]
+        if self.draft is not None:
+            self.flush()
+            mask_block = anchor.new_full((anchor.shape[0], self.B - 1), self.draft.config.mask_token_id)
+            proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
+                                          self.adapter.valid[:, :self.pointer])
+            verify_ids = torch.cat([anchor, proposal], 1)
+        else:
+            verify_ids = anchor
+        self._slot, self._block_pos = self.pointer, block_pos
+        logits, self._feats = self.adapter.forward(verify_ids, block_pos, capture=self.draft is not None)
+        choice = choose(logits)
+        accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
+        return choice, accepted
+
+    def commit(self, n_keep: torch.Tensor, advance: int) -> None:
+        """Keeps the first n_keep[r] verified slots of each row ([anchor, accepted drafts]) and moves the
+        pointer to the end of the longest (advance = max n_keep, an int the caller has already synced)."""
+        p = self._slot
+        j = torch.arange(self.B, device=self.device)
+        self.adapter.valid[:, p:p + self.B] = j < n_keep[:, None]
+        if self.draft is not None:
+            self.dcache.positions[:, p:p + self.B] = self._block_pos
+            self.pending = (self._feats, p)
+        self.adapter.rewind(self.B - advance)
+        if self.pointer + self.B > self.adapter.capacity:
+            self.make_room()
+
+    def flush(self) -> None:
+        """Writes pending target features into the draft cache (before a draft forward or moving slots)."""
+        if self.pending is not None:
+            feats, slot = self.pending
+            self.draft.write_context(feats, self.dcache, slot)
+            self.pending = None
+
+    # ---- reshaping ---------------------------------------------------------------------------------------
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Keeps only rows `keep` (finished rows leave the batch: one copy of the caches)."""
+        self.adapter.select_rows(keep)
+        if self.draft is not None:
+            self.dcache.select_rows(keep)
+            if self.pending is not None:
+                self.pending = (self.pending[0][keep], self.pending[1])
+
+    def merge(self, other: "SpecBatch") -> None:
+        """Appends the rows of `other` (freshly prefilled sequences) to this batch."""
+        if self.num_rows == 0:
+            self.adapter, self.dcache, self.pending = other.adapter, other.dcache, other.pending
+            return
+        self.flush()
+        other.flush()
+        shifts = self.adapter.merge(other.adapter)
+        if self.draft is not None:
+            self.dcache.merge(other.dcache, shifts, self.adapter.capacity)
+        if self.pointer + self.B > self.adapter.capacity:
+            self.make_room()
+
+    def _grow(self, capacity: int) -> None:
+        self.adapter.grow(capacity)
+        self.growths += 1
+        if self.draft is not None:
+            self.dcache.grow(capacity)
+
+    def _compact(self) -> None:
+        self.compactions += 1
+        index, new_valid = self.adapter.compaction_index()
+        self.adapter.compact(index, new_valid)
+        if self.draft is not None:
+            self.dcache.gather_slots(index)
+
+    def make_room(self) -> None:
+        """Frees room for the next block: squeeze out holes when there are enough, else grow (doubling), and
+        squeeze anyway once the storage is at its full size (which always fits every row after compaction)."""
+        adapter, B = self.adapter, self.B
+        self.flush()  # pending features must be in the draft cache before slots move
+        if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:
+            self._compact()
+        if adapter.pointer + B > adapter.capacity and adapter.capacity < self.max_capacity:
+            self._grow(min(self.max_capacity, max(adapter.pointer + B, 2 * adapter.capacity)))
+        if adapter.pointer + B > adapter.capacity:
+            self._compact()

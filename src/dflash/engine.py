@@ -1,0 +1,394 @@
+"""Continuous batching: sequences join and leave between steps, and every step is one batched DFlash step.
+
+schedule -> run -> postprocess, as in nano-vllm: the `Scheduler` knows sequences (waiting, prefilling,
+running), the `ModelRunner` knows tensors (one `SpecBatch` for all running rows, one for the prompts being
+prefilled), and `LLMEngine.step` ties them together. HTTP lives in `server.py` only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .batch import SpecBatch
+from .errors import DFlashInputError
+from .generate import default_stop_token_ids
+from .model import DFlashDraftModel
+from .sampling import SamplingParams, choose_tokens
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue; the client should retry later (HTTP 429)."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8  # sequences decoding together
+    max_queue: int = 64  # sequences waiting for a batch slot before new requests are refused
+    block_size: int | None = None  # None: the draft's own
+    max_model_len: int | None = None  # None: the target's context length
+    prefill_tokens: int = 512  # prompt tokens prefilled per step while other sequences decode
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TextStream:
+    """Committed token ids -> text deltas: holds back incomplete UTF-8 and anything that may start a stop
+    string, and cuts the text where a stop string appears."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False  # a stop string was found; text ends before it
+
+    def _partial_stop(self) -> int:
+        """Length of the longest tail of the text that is the start of a stop string."""
+        return max((k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Adds ids; returns the text that is now safe to show."""
+        if not self.stopped:
+            self.ids += ids
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text, self.stopped = self.text[:cut], True
+        end = len(self.text)
+        if not (final or self.stopped):
+            if self.text.endswith("\ufffd"):
+                end = len(self.text.rstrip("\ufffd"))
+            end = min(end, len(self.text) - self._partial_stop())
+        if end <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted:end], end
+        return delta
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its prompt, sampling settings, the tokens committed so far and why it stopped."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: list[int] = field(default_factory=list)
+    text: TextStream | None = None  # detokenizes and watches stop strings when set
+    generator: torch.Generator | None = None
+    on_update: object = None  # called as on_update(seq, text_delta) from the engine thread after each step
+    id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    acceptance_lengths: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    aborted: bool = False  # set from any thread; the engine drops the sequence at its next step
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def append(self, tokens: list[int]) -> str:
+        """Commits tokens up to the first stop token or max_tokens; returns the new text."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        for i, t in enumerate(tokens):
+            if t in self.stop_token_ids:
+                tokens, self.finish_reason = tokens[:i], "stop"
+                break
+        room = self.max_tokens - len(self.output_ids)
+        if len(tokens) >= room and self.finish_reason is None:
+            tokens, self.finish_reason = tokens[:room], "length"
+        self.output_ids += tokens
+        if self.text is None:
+            return ""
+        delta = self.text.push(tokens, final=self.finish_reason is not None)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+            delta += self.text.push([], final=True)
+        return delta
+
+
+class Scheduler:
+    """Decides, before every step, which sequences are prefilled and which decode. Thread-safe `add`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.lock = threading.Lock()
+
+    def add(self, seq: Sequence) -> None:
+        with self.lock:
+            if len(self.waiting) >= self.config.max_queue:
+                raise QueueFullError(f"the queue is full ({self.config.max_queue} requests waiting); retry later")
+            self.waiting.append(seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def drop_aborted(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Takes aborted sequences out of the queue and the running batch; returns (all dropped, those that
+        held batch rows). One being prefilled finishes its prefill first and leaves at the next step."""
+        with self.lock:
+            queued = [s for s in self.waiting if s.aborted]
+            for s in queued:
+                self.waiting.remove(s)
+        held = [s for s in self.running if s.aborted]
+        self.running = [s for s in self.running if not s.aborted]
+        for s in queued + held:
+            s.status, s.finish_reason = Status.FINISHED, "abort"
+        return queued + held, held
+
+    def admit(self) -> list[Sequence]:
+        """Waiting sequences to start prefilling now: as many as fit the free rows and the prefill budget
+        (always at least one when a row is free, however long its prompt: it is then prefilled in chunks)."""
+        if self.prefilling:
+            return []
+        free = self.config.max_batch_size - len(self.running)
+        picked, tokens = [], 0
+        with self.lock:
+            while self.waiting and len(picked) < free:
+                n = self.waiting[0].num_prompt_tokens
+                if picked and tokens + n > self.config.prefill_tokens:
+                    break
+                picked.append(self.waiting.popleft())
+                tokens += n
+        for s in picked:
+            s.status = Status.PREFILLING
+        self.prefilling = picked
+        return picked
+
+    def prefilled(self) -> None:
+        for s in self.prefilling:
+            s.status = Status.RUNNING
+        self.running += self.prefilling
+        self.prefilling = []
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            s.status = Status.FINISHED
+        self.running = [s for s in self.running if s.status is not Status.FINISHED]
+
+
+def _choose_per_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each row's own sampling settings: logits [L, ..., V] -> choices [L, ...]."""
+    choice = logits.argmax(-1)
+    for r, s in enumerate(seqs):
+        if not s.sampling.greedy:
+            choice[r] = choose_tokens(logits[r], s.sampling, s.generator)
+    return choice
+
+
+class ModelRunner:
+    """The tensors: one SpecBatch holding every running row, one for the prompts being prefilled."""
+
+    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int):
+        self.target, self.draft = target, draft
+        self.B = block_size if draft is not None else 1
+        self.max_capacity = max_model_len + self.B
+        self.device = next(target.parameters()).device
+        self.rows: list[Sequence] = []  # running sequences, in batch-row order
+        self.batch = SpecBatch(target, draft, self.B, self.max_capacity)
+        self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
+        self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
+        self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def start_prefill(self, seqs: list[Sequence]) -> None:
+        P = max(s.num_prompt_tokens for s in seqs)
+        ids = torch.zeros(len(seqs), P, dtype=torch.long)
+        mask = torch.zeros(len(seqs), P, dtype=torch.bool)
+        for r, s in enumerate(seqs):  # left padding, as generate does
+            ids[r, P - s.num_prompt_tokens:] = torch.tensor(s.prompt_ids)
+            mask[r, P - s.num_prompt_tokens:] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        job = SpecBatch(self.target, self.draft, self.B, self.max_capacity)
+        job.start(len(seqs), P + self.B)
+        self._prefill = (job, ids, pos, mask, 0)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, seqs: list[Sequence], budget: int) -> list[int] | None:
+        """Prefills the next chunk of the admitted prompts; when the last chunk is done, chooses each one's
+        first token, moves the rows into the running batch and returns those tokens."""
+        job, ids, pos, mask, done = self._prefill
+        n = max(1, budget // len(seqs))
+        end = min(ids.shape[1], done + n)
+        last_logits = job.extend(ids[:, done:end], pos[:, done:end], mask[:, done:end])
+        if end < ids.shape[1]:
+            self._prefill = (job, ids, pos, mask, end)
+            return None
+        self._prefill = None
+        first = _choose_per_row(last_logits, seqs)
+        self.batch.merge(job)
+        self.rows += seqs
+        self.anchor = torch.cat([self.anchor, first])
+        self.anchor_pos = torch.cat([self.anchor_pos, mask.sum(1)])
+        return first.tolist()
+
+    @torch.inference_mode()
+    def decode(self) -> tuple[list[list[int]], list[int]]:
+        """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
+        length (the cache keeps them all; a row that stops early is removed before the next step)."""
+        j = torch.arange(self.B, device=self.device)
+        choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
+                                           lambda logits: _choose_per_row(logits, self.rows))
+        n_keep = accepted + 1
+        self.anchor = choice.gather(1, accepted[:, None])[:, 0]
+        self.anchor_pos = self.anchor_pos + n_keep
+        n_list = n_keep.tolist()
+        self.batch.commit(n_keep, max(n_list))
+        return [row[:n] for row, n in zip(choice.tolist(), n_list)], n_list
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        gone = {id(s) for s in seqs}
+        keep = [r for r, s in enumerate(self.rows) if id(s) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.batch.select_rows(index)
+        self.anchor, self.anchor_pos = self.anchor[index], self.anchor_pos[index]
+        self.rows = [self.rows[r] for r in keep]
+
+
+class LLMEngine:
+    """Accepts requests from any thread; `step()` (one thread) advances every sequence by one DFlash step."""
+
+    def __init__(self, target, tokenizer, draft: DFlashDraftModel | None = None, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.target, self.tokenizer, self.draft = target, tokenizer, draft
+        B = 1
+        if draft is not None:
+            B = config.block_size or draft.config.block_size
+            if not draft.is_bound_to(target):
+                draft.bind(target)
+        if config.max_batch_size < 1 or config.max_queue < 0 or config.prefill_tokens < 1:
+            raise DFlashInputError("max_batch_size and prefill_tokens must be >= 1 and max_queue >= 0")
+        limit = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.block_size = B
+        self.stop_token_ids = default_stop_token_ids(target)
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(target, draft, B, self.max_model_len)
+        self.wakeup = threading.Event()
+        self.metrics = None  # a .metrics.EngineMetrics when served
+        self.device = self.runner.device
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], *, max_tokens: int | None = None,
+                    sampling: SamplingParams | None = None, stop: list[str] | None = None, seed: int | None = None,
+                    on_update=None) -> Sequence:
+        """Queues a request; raises DFlashInputError for a prompt that does not fit, QueueFullError when full."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise DFlashInputError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise DFlashInputError(f"the prompt has {n} tokens; this model's maximum context length is "
+                                   f"{self.max_model_len} tokens")
+        room = self.max_model_len - n
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens > room:
+            raise DFlashInputError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                   f"has {n} and max_tokens asks for {max_tokens} more")
+        vocab = self.target.get_input_embeddings().weight.shape[0]
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise DFlashInputError(f"prompt token ids must be in [0, {vocab})")
+        generator = None
+        if sampling is not None and not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed if seed is not None else torch.seed())
+        seq = Sequence(list(prompt_ids), max_tokens, sampling or SamplingParams(), self.stop_token_ids,
+                       TextStream(self.tokenizer, stop) if self.tokenizer is not None else None, generator,
+                       on_update)
+        if max_tokens == 0:
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+            return seq
+        self.scheduler.add(seq)
+        self.wakeup.set()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        seq.aborted = True
+        self.wakeup.set()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """schedule -> run -> postprocess. Returns the sequences that finished in this step."""
+        t0 = time.perf_counter()
+        sched, runner = self.scheduler, self.runner
+        # schedule
+        dropped, held = sched.drop_aborted()
+        runner.remove(held)
+        admitted = sched.admit()
+        if admitted:
+            runner.start_prefill(admitted)
+        updates: list[tuple[Sequence, list[int], int | None]] = []
+        # run: one decode step for the running rows, then a chunk of prefill for the joining ones
+        if runner.rows:
+            tokens, accepted = runner.decode()
+            updates += [(s, t, a) for s, t, a in zip(runner.rows, tokens, accepted)]
+        if sched.prefilling:
+            first = runner.prefill_chunk(sched.prefilling, self.config.prefill_tokens)
+            if first is not None:
+                updates += [(s, [t], None) for s, t in zip(sched.prefilling, first)]
+                sched.prefilled()
+        # postprocess
+        finished = []
+        for seq, toks, acc in updates:
+            if acc is not None:
+                seq.acceptance_lengths.append(acc)
+            delta = seq.append(toks)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+            if seq.on_update is not None:
+                seq.on_update(seq, delta)
+        sched.finish(finished)
+        runner.remove(finished)
+        for seq in dropped:
+            if seq.on_update is not None:
+                seq.on_update(seq, "")
+        if self.metrics is not None:
+            self.metrics.observe_step(self, updates, finished + dropped, time.perf_counter() - t0)
+        return finished
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """The engine thread: steps while there is work, sleeps until a request arrives, exits on `stop`."""
+        while not stop.is_set():
+            if not self.has_work():
+                self.wakeup.wait(0.5)
+                self.wakeup.clear()
+                continue
+            self.step()
+
+    def generate(self, prompts: list[list[int]], **kwargs) -> list[Sequence]:
+        """Offline use and tests: runs the given prompts to completion through the continuous-batching loop."""
+        seqs = [self.add_request(p, **kwargs) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs

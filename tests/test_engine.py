@@ -1,0 +1,124 @@
+"""Continuous batching: sequences that join, leave and prefill in chunks get exactly the target's greedy
+tokens, with a random draft, an oracle draft and no draft; sampling settings and stops are per request."""
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel
+from dflash.engine import EngineConfig, LLMEngine, QueueFullError, TextStream
+from dflash.errors import DFlashInputError
+from dflash.sampling import SamplingParams
+from oracle import OracleDraft
+from tiny import reference_greedy, tiny_target
+
+EOS = 2
+
+
+def prompts(lengths, seed=0, vocab=96):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def expected(target, prompt, max_tokens):
+    new, _ = reference_greedy(target, torch.tensor(prompt), max_tokens, (EOS,))
+    return new[:-1] if new and new[-1] == EOS else new  # the engine does not return the stop token
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("draft_kind", ["none", "random", "oracle"])
+def test_staggered_arrivals_match_target_greedy(arch, draft_kind):
+    target = tiny_target(arch, seed=3)
+    ps = prompts([5, 17, 3, 26, 9, 12, 4], seed=1)
+    max_tokens = [20, 7, 30, 12, 25, 1, 18]
+    refs = [expected(target, p, n) for p, n in zip(ps, max_tokens)]
+    draft = None
+    if draft_kind != "none":
+        draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+        if draft_kind == "oracle":
+            draft = OracleDraft(draft, [p + r for p, r in zip(ps, refs)])
+    # 3 rows at most and 8 prompt tokens per step: queueing, chunked prefill and rows joining mid-decode
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=3, prefill_tokens=8))
+    seqs = [engine.add_request(p, max_tokens=n) for p, n in zip(ps[:4], max_tokens[:4])]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, max_tokens=n) for p, n in zip(ps[4:], max_tokens[4:])]
+    while engine.has_work():
+        engine.step()
+        assert len(engine.runner.rows) <= 3
+    for s, ref, n in zip(seqs, refs, max_tokens):
+        assert s.output_ids == ref, (arch, draft_kind, s.id)
+        assert s.finish_reason == ("length" if len(ref) == n else "stop")
+    if draft_kind == "oracle":
+        taus = [sum(s.acceptance_lengths) / len(s.acceptance_lengths) for s in seqs if s.acceptance_lengths]
+        assert max(taus) > 2  # the acceptance path really ran
+    assert engine.runner.rows == [] and engine.runner.batch.num_rows == 0
+
+
+def test_abort_frees_the_row_and_others_continue():
+    target = tiny_target("llama", seed=3)
+    ps = prompts([6, 8], seed=2)
+    ref = expected(target, ps[1], 15)
+    engine = LLMEngine(target, None, DFlashDraftModel.from_target(target, num_layers=1, block_size=4),
+                       EngineConfig(max_batch_size=2))
+    a = engine.add_request(ps[0], max_tokens=40)
+    b = engine.add_request(ps[1], max_tokens=15)
+    engine.step()
+    engine.step()
+    engine.abort(a)
+    engine.step()
+    assert a.finish_reason == "abort" and engine.runner.rows == [b]
+    while engine.has_work():
+        engine.step()
+    assert b.output_ids == ref
+
+
+def test_queue_limit_and_bad_requests():
+    target = tiny_target("llama", seed=3)
+    engine = LLMEngine(target, None, None, EngineConfig(max_batch_size=1, max_queue=2))
+    engine.add_request([5, 6], max_tokens=3)
+    engine.add_request([5, 6], max_tokens=3)
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.add_request([5, 6], max_tokens=3)
+    with pytest.raises(DFlashInputError, match="maximum context length is 512"):
+        engine.add_request([5] * 512)
+    with pytest.raises(DFlashInputError, match="max_tokens asks for 500"):
+        engine.add_request([5] * 20, max_tokens=500)
+    with pytest.raises(DFlashInputError, match=r"in \[0, 96\)"):
+        engine.add_request([5, 96])
+
+
+def test_per_request_sampling_is_seeded_and_greedy_rows_stay_exact():
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    p = prompts([7], seed=4)[0]
+    ref = expected(target, p, 12)
+    hot = SamplingParams(temperature=1.5)
+
+    def run():
+        engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=4))
+        s1 = engine.add_request(p, max_tokens=12, sampling=hot, seed=7)
+        g = engine.add_request(p, max_tokens=12)
+        s2 = engine.add_request(p, max_tokens=12, sampling=hot, seed=8)
+        while engine.has_work():
+            engine.step()
+        return s1.output_ids, g.output_ids, s2.output_ids
+
+    first, second = run(), run()
+    assert first == second  # a seed fixes a request's sample whatever else is in the batch
+    assert first[1] == ref
+    assert first[0] != first[2]
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_text_stream_cuts_at_stop_strings_and_holds_back_their_starts():
+    ts = TextStream(CharTokenizer(), stop=["cde"])
+    assert ts.push([3, 4]) == "de"
+    assert ts.push([2]) == ""  # "dec": the "c" may start "cde"
+    assert ts.push([5]) == "cf"  # "decf": it did not
+    assert ts.push([2, 3]) == ""  # "decfcd" may go on to "cde"
+    assert ts.push([4, 0]) == ""  # "decfcdea": stop found, the text ends before it
+    assert ts.stopped and ts.text == "decf"
