@@ -140,13 +140,16 @@ def test_stats_are_consistent():
     assert ar.tau == 1.0 and ar.acceptance_histogram == [ar.num_steps * 2]
 
 
-def test_caches_are_preallocated_and_never_reallocated(monkeypatch):
+@pytest.mark.parametrize("runtime", ["hf", "fast"])
+def test_caches_are_preallocated_and_never_reallocated(monkeypatch, runtime):
     """Per-step cost must not grow with length: steps write into the same cache storage. Storage changes only
     when finished rows leave the batch (at most once per row), never per step."""
-    from dflash import target as target_mod
+    from dflash.fast import FastTargetAdapter
+    from dflash.target import TargetAdapter
 
+    cls = {"hf": TargetAdapter, "fast": FastTargetAdapter}[runtime]
     ptrs = []
-    real = target_mod.TargetAdapter.forward
+    real = cls.forward
 
     def spy(self, *a, **k):
         out = real(self, *a, **k)
@@ -154,10 +157,11 @@ def test_caches_are_preallocated_and_never_reallocated(monkeypatch):
                      self.valid.data_ptr()))
         return out
 
-    monkeypatch.setattr(target_mod.TargetAdapter, "forward", spy)
+    monkeypatch.setattr(cls, "forward", spy)
     target = tiny_target("llama", seed=1)
     draft = DFlashDraftModel.from_target(target, block_size=4)
-    for generate in (lambda *a, **k: spec_generate(target, draft, *a, **k), lambda *a, **k: ar_generate(target, *a, **k)):
+    for generate in (lambda *a, **k: spec_generate(target, draft, *a, runtime=runtime, **k),
+                     lambda *a, **k: ar_generate(target, *a, runtime=runtime, **k)):
         ptrs.clear()
         generate(ragged_batch([5], seed=1)[0], max_new_tokens=40, stop_token_ids=[])
         assert len(ptrs) >= 10 and len(set(ptrs)) == 1

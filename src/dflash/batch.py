@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .model import DFlashDraftModel, DraftKVCache
-from .target import TargetAdapter
+from .fast import make_adapter
 
 
 class SpecBatch:
@@ -23,10 +23,12 @@ class SpecBatch:
     others leave masked holes that `make_room` squeezes out when the storage runs out.
     """
 
-    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_capacity: int):
+    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_capacity: int,
+                 runtime: str = "auto"):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
-        self.adapter = TargetAdapter(target, draft.config.target_layer_ids if draft is not None else None)
+        self.runtime = runtime
+        self.adapter = make_adapter(target, draft.config.target_layer_ids if draft is not None else None, runtime)
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
         self.dcache: DraftKVCache | None = None
         self.pending: tuple[torch.Tensor, int] | None = None  # target features not yet in the draft cache, slot

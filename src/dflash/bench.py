@@ -39,6 +39,7 @@ class BenchConfig:
     seed: int = 0
     model: str = ""
     draft: str = ""
+    runtime: str = "auto"
 
 
 def load_bench_prompts(cfg: BenchConfig) -> dict[str, list]:
@@ -107,7 +108,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, out_stream=None) ->
     B = cfg.block_size or draft.config.block_size
     pad = pad_id_for(tokenizer, default_stop_token_ids(target))
     device = next(target.parameters()).device
-    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
 
     def run(method, ids, mask, seed):
         g = torch.Generator(device=device).manual_seed(seed)

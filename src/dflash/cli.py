@@ -59,7 +59,14 @@ def _model_options() -> argparse.ArgumentParser:
                                                    "the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads; None = physical cores")
+    _runtime_option(p)
     return p
+
+
+def _runtime_option(p) -> None:
+    p.add_argument("--runtime", choices=["auto", "fast", "hf"], default="auto",
+                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), hf = the model's own; "
+                   "auto = fast where supported")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    _runtime_option(be)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
                         "every decode step is one batched DFlash step over all running requests.")
@@ -144,6 +152,7 @@ def _serve_options(p) -> None:
     p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    _runtime_option(p)
 
 
 _TRAIN_HELP = {
@@ -273,7 +282,8 @@ class Session:
         a = self.args
         stream = stream_generate(self.target, self.draft, self.encode(messages), block_size=a.block_size,
                                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                 top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator)
+                                 top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator,
+                                 runtime=a.runtime)
         text = TextStream(self.tokenizer)
         while True:
             try:
@@ -355,7 +365,7 @@ def cmd_regenerate(args) -> int:
                            draft=None if args.no_draft else args.draft, max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, batch_size=args.batch_size, limit=args.limit, seed=args.seed,
-                           system=args.system, base_url=args.base_url)
+                           system=args.system, base_url=args.base_url, runtime=args.runtime)
     if args.base_url:  # the server runs the model; only its tokenizer is needed here
         regenerate(cfg, data_dir=args.data_dir)
         return 0
@@ -375,7 +385,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], prompts=args.prompts,
                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
-                      seed=args.seed, model=str(args.model), draft=str(draft_path))
+                      seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime)
     report = run_bench(cfg, target, tokenizer, draft)
     return 1 if report["real_mismatches"] else 0
 
@@ -386,7 +396,7 @@ def _engine(args):
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     draft = None if args.no_draft else resolve_draft(args.model, args.draft, target)
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
-                       max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens)
+                       max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime)
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

@@ -34,6 +34,7 @@ class EngineConfig:
     block_size: int | None = None  # None: the draft's own
     max_model_len: int | None = None  # None: the target's context length
     prefill_tokens: int = 512  # prompt tokens prefilled per step while other sequences decode
+    runtime: str = "auto"  # the target's forward: auto | fast | hf (see dflash.fast)
 
 
 class Status(Enum):
@@ -205,13 +206,15 @@ def _choose_per_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 class ModelRunner:
     """The tensors: one SpecBatch holding every running row, one for the prompts being prefilled."""
 
-    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int):
+    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
+                 runtime: str = "auto"):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
         self.max_capacity = max_model_len + self.B
         self.device = next(target.parameters()).device
+        self.runtime = runtime
         self.rows: list[Sequence] = []  # running sequences, in batch-row order
-        self.batch = SpecBatch(target, draft, self.B, self.max_capacity)
+        self.batch = SpecBatch(target, draft, self.B, self.max_capacity, runtime)
         self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
         self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
         self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
@@ -225,7 +228,7 @@ class ModelRunner:
             mask[r, P - s.num_prompt_tokens:] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.long().cumsum(1) - 1).clamp(min=0)
-        job = SpecBatch(self.target, self.draft, self.B, self.max_capacity)
+        job = SpecBatch(self.target, self.draft, self.B, self.max_capacity, self.runtime)
         job.start(len(seqs), P + self.B)
         self._prefill = (job, ids, pos, mask, 0)
 
@@ -291,7 +294,7 @@ class LLMEngine:
         self.block_size = B
         self.stop_token_ids = default_stop_token_ids(target)
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(target, draft, B, self.max_model_len)
+        self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device

@@ -128,13 +128,14 @@ class _Generation:
     """State of one batched generation; `steps()` yields the tokens each step commits, row by row."""
 
     def __init__(self, target, draft: DFlashDraftModel | None, input_ids, attention_mask, *, block_size,
-                 max_new_tokens, sampling: SamplingParams, stop_token_ids, generator):
+                 max_new_tokens, sampling: SamplingParams, stop_token_ids, generator, runtime="auto"):
         self.target, self.draft = target, draft
         self.input_ids, self.mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens)
         self.device = self.input_ids.device
         self.B = block_size if draft is not None else 1
         self.max_new = max_new_tokens
         self.sampling = sampling
+        self.runtime = runtime
         self.generator = generator
         self.stop_ids = default_stop_token_ids(target) if stop_token_ids is None else list(stop_token_ids)
         self.stop = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
@@ -174,7 +175,7 @@ class _Generation:
         if self.max_new == 0:
             return
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + self.B)
+        self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + self.B, self.runtime)
         batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
         pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
@@ -242,9 +243,10 @@ def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tok
 def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention_mask=None, *, block_size=None,
                     num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
-                    generator: torch.Generator | None = None) -> Iterator[list[list[int]]]:
+                    generator: torch.Generator | None = None, runtime: str = "auto") -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
-    token ids each row committed in that step. The generator's return value is the GenerationOutput."""
+    token ids each row committed in that step. The generator's return value is the GenerationOutput.
+    runtime: 'auto' | 'fast' | 'hf', the target's forward (see dflash.fast)."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
@@ -252,7 +254,7 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
             draft.bind(target)  # checks that the draft fits this target
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                    stop_token_ids=stop_token_ids, generator=generator)
+                    stop_token_ids=stop_token_ids, generator=generator, runtime=runtime)
     yield from g.steps()
     return g.result()
 
@@ -270,7 +272,7 @@ def run(stream) -> GenerationOutput:
 def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=None, *, block_size=None,
                   num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
-                  return_stats: bool = False):
+                  return_stats: bool = False, runtime: str = "auto"):
     """DFlash speculative generation.
 
     `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
@@ -282,16 +284,16 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
     out = run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
                                num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                               generator=generator))
+                               generator=generator, runtime=runtime))
     return out if return_stats else out.sequences
 
 
 @torch.inference_mode()
 def ar_generate(target, input_ids, attention_mask=None, *, max_new_tokens: int = 256, temperature: float = 0.0,
                 top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
-                return_stats: bool = False):
+                return_stats: bool = False, runtime: str = "auto"):
     """Plain autoregressive decoding through the same loop, cache and sampling code as `spec_generate`."""
     out = run(stream_generate(target, None, input_ids, attention_mask, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                               generator=generator))
+                               generator=generator, runtime=runtime))
     return out if return_stats else out.sequences

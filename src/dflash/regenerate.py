@@ -41,11 +41,12 @@ class RegenerateConfig:
     seed: int = 0
     system: str | None = None
     base_url: str | None = None  # an OpenAI-compatible server that runs the model (ours, vLLM, SGLang)
+    runtime: str = "auto"  # the local target's forward (dflash.fast)
 
     def identity(self) -> dict:
         """Settings a resumed run must share with the run that started the folder."""
         d = asdict(self)  # batch_size stays: chunk boundaries must not move
-        del d["output"], d["limit"], d["base_url"]  # where the model runs may change between sittings
+        del d["output"], d["limit"], d["base_url"], d["runtime"]  # where/how the model runs may change
         return d
 
 
@@ -150,7 +151,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
             ids, mask = left_pad([c[1] for c in chunk], pad_id)
             gen = torch.Generator(device=next(target.parameters()).device).manual_seed(cfg.seed * 1_000_003 + s)
             kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                      top_p=cfg.top_p, stop_token_ids=stop_ids, generator=gen)
+                      top_p=cfg.top_p, stop_token_ids=stop_ids, generator=gen, runtime=cfg.runtime)
             out = run_stream(stream_generate(target, draft, ids, mask, **kw))
             answers = [out.sequences[i, ids.shape[1]:ids.shape[1] + k].tolist()
                        for i, k in enumerate(out.num_new_tokens)]

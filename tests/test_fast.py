@@ -1,0 +1,62 @@
+"""The lean forward (runtime 'fast') against the HF forward: logits and taps within fp32 tolerance on every
+family it covers, exact greedy generation, and the fallback for families it does not cover."""
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash.errors import DFlashConfigError
+from dflash.fast import FastTargetAdapter, fast_unsupported, make_adapter
+from dflash.target import TargetAdapter
+from tiny import ragged_batch, tiny_target
+
+FAST = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("arch", FAST)
+def test_fast_forward_matches_hf_forward_through_writes_and_rewinds(arch):
+    target = tiny_target(arch, seed=1)
+    ids, mask = ragged_batch([5, 9, 3], seed=0)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    m = mask.bool()
+    results = []
+    for cls in (TargetAdapter, FastTargetAdapter):
+        a = cls(target, [0, 2, 3])
+        a.reset(3, 16)
+        steps = [a.forward(ids, pos, capture=True, slot_valid=m)]
+        block = torch.tensor([[5, 6, 7, 8]] * 3)
+        steps.append(a.forward(block, pos[:, -1:] + 1 + torch.arange(4), capture=True))
+        a.rewind(3)  # keep one of the four: the next block overwrites the other slots
+        a.valid[:, a.pointer:] = False
+        steps.append(a.forward(block.flip(1), pos[:, -1:] + 2 + torch.arange(4), capture=True))
+        a.grow(32)
+        steps.append(a.forward(block[:, :1], pos[:, -1:] + 6, capture=True))
+        results.append(steps)
+    for k, ((l_hf, f_hf), (l_fast, f_fast)) in enumerate(zip(*results)):
+        sel = m if k == 0 else slice(None)
+        assert torch.allclose(l_hf[sel], l_fast[sel], atol=1e-4), (arch, k)
+        assert torch.allclose(f_hf[sel], f_fast[sel], atol=1e-4), (arch, k)
+
+
+@pytest.mark.parametrize("arch", FAST)
+def test_fast_runtime_generation_equals_hf_runtime(arch):
+    target = tiny_target(arch, seed=2)
+    ids, mask = ragged_batch([4, 10, 7], seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    outs = {rt: ar_generate(target, ids, mask, max_new_tokens=20, stop_token_ids=[], runtime=rt)
+            for rt in ("hf", "fast")}
+    assert torch.equal(outs["hf"], outs["fast"])
+    spec = spec_generate(target, draft, ids, mask, max_new_tokens=20, stop_token_ids=[], runtime="fast")
+    assert torch.equal(spec, outs["fast"])
+
+
+def test_runtime_choice():
+    llama, gemma = tiny_target("llama"), tiny_target("gemma3")
+    assert isinstance(make_adapter(llama, None, "auto"), FastTargetAdapter)
+    assert type(make_adapter(llama, None, "hf")) is TargetAdapter
+    assert "gemma3" in fast_unsupported(gemma)
+    assert type(make_adapter(gemma, None, "auto")) is TargetAdapter
+    with pytest.raises(DFlashConfigError, match="fast runtime does not support"):
+        make_adapter(gemma, None, "fast")
+    with pytest.raises(DFlashConfigError, match="unknown runtime"):
+        make_adapter(llama, None, "turbo")
