@@ -99,6 +99,33 @@ def test_packed_training_forward_equals_inference_forward():
             assert torch.allclose(packed[i], hidden[0], atol=1e-5), i
 
 
+def test_draft_vocabulary_loss():
+    """With a draft vocabulary the loss is cross-entropy over its rows; labels outside it add no loss but
+    still count as misses; the whole vocabulary as draft vocabulary changes nothing."""
+    target = tiny_target("llama", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    ids = torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(1))
+    feats = target_features(target, [0, 2], ids)
+    loss_mask, anchors = torch.ones(20, dtype=torch.long), torch.tensor([2, 7, 11])
+    step = DFlashTrainStep(draft, 3.0)
+    with torch.no_grad():
+        full, (correct, counted) = step(feats, ids, loss_mask, anchors)
+        draft.set_draft_vocab(torch.arange(96).flip(0))
+        same, (correct2, counted2) = step(feats, ids, loss_mask, anchors)
+        assert torch.allclose(full, same, atol=1e-5) and torch.equal(correct, correct2)
+        subset = torch.arange(3, 60)
+        draft.set_draft_vocab(subset)
+        part, (_, counted3) = step(feats, ids, loss_mask, anchors)
+        assert torch.equal(counted3, counted)  # every label still counted
+        _, _, labels = block_inputs(ids, loss_mask, anchors, 4, draft.config.mask_token_id)
+        hidden = step.block_hidden(feats, ids, anchors)[:, 1:]
+        inside = (labels >= 3) & (labels < 60)
+        logits = draft.lm_head(hidden[inside])[:, 3:60]
+        ce = torch.nn.functional.cross_entropy(logits, labels[inside] - 3, reduction="none")
+        w = step.weights.expand_as(labels)[inside]
+        assert torch.allclose(part, (ce * w).sum() / w.sum(), atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def lang(tmp_path_factory):
     """The structured tiny target, its tokenizer, and a regenerated dataset of its own answers."""
