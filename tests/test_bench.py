@@ -31,15 +31,34 @@ def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert "dataset" in lines[1] and "speedup" in lines[1] and lines[3].startswith("p ")
     last = json.loads(lines[-1])
-    assert last["datasets"]["p"]["mismatches"] == 0
+    assert last["datasets"]["p"]["dflash"]["mismatches"] == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     r = saved["datasets"]["p"]
-    assert r["prompts"] == 5 and sum(r["acceptance_histogram"]) > 0 and len(r["acceptance_histogram"]) == 4
-    assert r["ar_tokens_per_s"] > 0 and r["dflash_tokens_per_s"] > 0 and r["speedup_median_of_ratios"] > 0
+    d = r["methods"]["dflash"]
+    assert r["prompts"] == 5 and sum(d["acceptance_histogram"]) > 0 and len(d["acceptance_histogram"]) == 4
+    assert r["ar_tokens_per_s"] > 0 and d["tokens_per_s"] > 0 and d["speedup_median_of_ratios"] > 0
     for png in ("acceptance.png", "speedup.png"):
         data = (tmp_path / "out" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     assert report["total_mismatches"] == 0
+
+
+def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
+    target, tok, draft, prompts = setup
+    methods = ["ar", "dflash", "ngram", "hf", "hf-prompt-lookup", "hf-assisted"]
+    cfg = BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=16, out=str(tmp_path / "m"),
+                      methods=methods, ngram_tokens=4)
+    report = run_bench(cfg, target, tok, draft, assistant=target)
+    table = capsys.readouterr().out
+    r = report["datasets"]["p"]["methods"]
+    assert list(r) == methods[1:] and report["total_mismatches"] == 0
+    assert r["ngram"]["tau"] >= 1 and r["hf"]["tau"] is None
+    assert all(f"p            {m}" in table for m in methods[1:])
+    with pytest.raises(Exception, match="must start with ar"):
+        run_bench(BenchConfig(prompts=str(prompts), methods=["dflash"], out=str(tmp_path / "x")), target, tok, draft)
+    with pytest.raises(Exception, match="needs --assistant-model"):
+        run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "hf-assisted"], out=str(tmp_path / "x")),
+                  target, tok, draft)
 
 
 def test_bench_reports_a_broken_verifier_loudly(setup, tmp_path, monkeypatch, capsys):
@@ -82,7 +101,7 @@ def test_named_datasets_and_cli(tiny_gguf, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(last["datasets"]) == sets.split(",")
-    assert all(v["mismatches"] == 0 for v in last["datasets"].values())
+    assert all(v["dflash"]["mismatches"] == 0 for v in last["datasets"].values())
     bad = subprocess.run([sys.executable, "-m", "dflash.cli", "bench", "--model", str(tiny_gguf), "--draft",
                           str(tmp_path / "draft"), "--datasets", "gsm8k,nope", "--dtype", "float32"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))

@@ -186,3 +186,29 @@ def test_finished_rows_leave_the_batch_and_outputs_stay_exact():
         assert new_tokens(out, ids, out.num_new_tokens) == stopped
     ar = ar_generate(target, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=list(stops), return_stats=True)
     assert new_tokens(ar, ids, ar.num_new_tokens) == stopped
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_ngram_draft_matches_target_greedy(arch):
+    from dflash.ngram import NgramDraft
+
+    target = tiny_target(arch, seed=1)
+    # repetitive prompts, so lookups find something and the acceptance path runs
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [0, 0, 9, 10, 11, 9, 10, 11, 9, 10]])
+    mask = torch.tensor([[1] * 10, [0, 0] + [1] * 8])
+    refs = references(target, ids, mask, MAX_NEW)
+    for k in (1, 4, 10):
+        out = spec_generate(target, NgramDraft(num_tokens=k), ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                            return_stats=True)
+        assert new_tokens(out, ids, out.num_new_tokens) == refs, (arch, k)
+        assert out.block_size == k + 1 and max(out.acceptance_lengths) <= k + 1
+
+
+def test_ngram_lookup():
+    from dflash.ngram import NgramDraft
+
+    d = NgramDraft(num_tokens=3, max_ngram=2)
+    assert d.propose([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2]) == [3, 7, 1]  # the latest earlier "1 2"
+    assert d.propose([5, 6, 7]) == []
+    assert d.propose([4, 8, 1, 4]) == [8, 1, 4]  # falls back to one-token matches
+    assert d.propose([1, 2, 1, 2], k=1) == [1]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from .model import DFlashDraftModel, DraftKVCache
+from .ngram import NgramDraft
 from .fast import make_adapter
 
 
@@ -23,10 +24,13 @@ class SpecBatch:
     others leave masked holes that `make_room` squeezes out when the storage runs out.
     """
 
-    def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_capacity: int,
+    def __init__(self, target, draft: DFlashDraftModel | NgramDraft | None, block_size: int, max_capacity: int,
                  runtime: str = "auto"):
-        self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
+        # an n-gram draft proposes from the text alone: no draft model, no target features
+        self.ngram = draft if isinstance(draft, NgramDraft) else None
+        draft = None if self.ngram is not None else draft
+        self.target, self.draft = target, draft
         self.runtime = runtime
         self.adapter = make_adapter(target, draft.config.target_layer_ids if draft is not None else None, runtime)
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
@@ -70,16 +74,27 @@ class SpecBatch:
             self.pending = (feats.masked_fill(~mask[..., None], 0), slot)
         return logits[:, -1]
 
-    def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]):
+    def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
+             histories: list[list[int]] | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
-        forward and `choose` turns its logits [L, B, V] into its own choice at every position [L, B].
+        forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q].
 
-        anchor: [L] last committed token of each row; block_pos: [L, B] absolute positions of the block.
-        Returns (choice [L, B], accepted [L]): draft tokens 1..accepted equal the target's choices before them,
-        so choice[:, :accepted+1] may be committed. Call `commit` next.
+        anchor: [L] last committed token of each row; block_pos: [L, B] absolute positions of the block;
+        histories: each row's tokens so far (an n-gram draft looks its proposals up there).
+        Returns (choice [L, q], accepted [L]): draft tokens 1..accepted equal the target's choices before them,
+        so choice[:, :accepted+1] may be committed. Call `commit` next. q = B, except for an n-gram draft,
+        whose blocks are only as wide as its longest proposal.
         """
         anchor = anchor[:, None]
-        if self.draft is not None:
+        if self.ngram is not None:
+            found = [self.ngram.propose(h, self.B - 1) for h in histories]
+            q = 1 + max(map(len, found))
+            # a short proposal is padded with its row's anchor: a pad the target happens to choose is still
+            # the target's own token, so acceptance stays exact
+            rows = [f + [int(a)] * (q - 1 - len(f)) for f, a in zip(found, anchor[:, 0].tolist())]
+            verify_ids = torch.cat([anchor, torch.tensor(rows, dtype=torch.long, device=anchor.device)], 1)
+            block_pos = block_pos[:, :q]
+        elif self.draft is not None:
             self.flush()
             mask_block = anchor.new_full((anchor.shape[0], self.B - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
@@ -87,7 +102,7 @@ class SpecBatch:
             verify_ids = torch.cat([anchor, proposal], 1)
         else:
             verify_ids = anchor
-        self._slot, self._block_pos = self.pointer, block_pos
+        self._slot, self._block_pos, self._q = self.pointer, block_pos, verify_ids.shape[1]
         logits, self._feats = self.adapter.forward(verify_ids, block_pos, capture=self.draft is not None)
         choice = choose(logits)
         accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
@@ -96,13 +111,13 @@ class SpecBatch:
     def commit(self, n_keep: torch.Tensor, advance: int) -> None:
         """Keeps the first n_keep[r] verified slots of each row ([anchor, accepted drafts]) and moves the
         pointer to the end of the longest (advance = max n_keep, an int the caller has already synced)."""
-        p = self._slot
-        j = torch.arange(self.B, device=self.device)
-        self.adapter.valid[:, p:p + self.B] = j < n_keep[:, None]
+        p, q = self._slot, self._q
+        j = torch.arange(q, device=self.device)
+        self.adapter.valid[:, p:p + q] = j < n_keep[:, None]
         if self.draft is not None:
-            self.dcache.positions[:, p:p + self.B] = self._block_pos
+            self.dcache.positions[:, p:p + q] = self._block_pos
             self.pending = (self._feats, p)
-        self.adapter.rewind(self.B - advance)
+        self.adapter.rewind(q - advance)
         if self.pointer + self.B > self.adapter.capacity:
             self.make_room()
 

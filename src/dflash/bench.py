@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from .errors import DFlashError
-from .io import atomic_write_text
+from .io import atomic_path, atomic_write_text
 
 # bench dataset name -> prompt set (test splits only)
 BENCH_SETS = {"gsm8k": "gsm8k:test", "math500": "math500", "humaneval": "humaneval", "mbpp": "mbpp:test",
@@ -40,6 +41,9 @@ class BenchConfig:
     model: str = ""
     draft: str = ""
     runtime: str = "auto"
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
+    ngram_tokens: int = 10  # proposals per step for ngram / hf-prompt-lookup
+    assistant_model: str | None = None  # for hf-assisted
 
 
 def load_bench_prompts(cfg: BenchConfig) -> dict[str, list]:
@@ -99,104 +103,206 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, 
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, out_stream=None) -> dict:
-    from .generate import ar_generate, spec_generate
+METHODS = ("ar", "dflash", "ngram", "hf", "hf-prompt-lookup", "hf-assisted")
+
+
+@dataclass
+class Run:
+    """One method's answer to a batch of prompts."""
+    tokens: list[list[int]]  # new tokens per row, up to and including a stop token
+    seconds: float
+    ttft: float
+    acceptance: list[int] | None = None  # tokens committed per step (speculative methods of ours)
+    block_size: int = 1
+
+
+class _FirstToken:
+    """A transformers streamer that notes when the first new tokens arrive (the prompt comes first)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def _runners(cfg: BenchConfig, target, draft, assistant) -> dict:
+    """method -> fn(ids, mask, seed) -> Run, for every method asked for."""
+    from .generate import ar_generate, default_stop_token_ids, spec_generate
+    from .ngram import NgramDraft
+
+    device = next(target.parameters()).device
+    stops = default_stop_token_ids(target)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
+
+    def ours(gen_draft, block_size=None):
+        def fn(ids, mask, seed):
+            g = torch.Generator(device=device).manual_seed(seed)
+            if gen_draft is None:
+                o = ar_generate(target, ids, mask, generator=g, return_stats=True, **kw)
+            else:
+                o = spec_generate(target, gen_draft, ids, mask, block_size=block_size, generator=g,
+                                  return_stats=True, **kw)
+            P = ids.shape[1]
+            return Run([o.sequences[i, P:P + n].tolist() for i, n in enumerate(o.num_new_tokens)], o.total_time,
+                       o.time_to_first_token, o.acceptance_lengths if gen_draft is not None else None, o.block_size)
+        return fn
+
+    def hf(**extra):
+        def fn(ids, mask, seed):
+            torch.manual_seed(seed)
+            sample = dict(do_sample=True, temperature=cfg.temperature) if cfg.temperature > 0 else dict(do_sample=False)
+            streamer = _FirstToken()
+            t0 = time.perf_counter()
+            out = target.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  max_new_tokens=cfg.max_new_tokens, eos_token_id=stops or None,
+                                  pad_token_id=(stops or [0])[0], streamer=streamer, **sample, **extra)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+            rows = []
+            for row in out[:, ids.shape[1]:].tolist():
+                cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
+                rows.append(row[:cut])
+            return Run(rows, seconds, (streamer.first or t0 + seconds) - t0)
+        return fn
+
+    table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
+             "ngram": lambda: ours(NgramDraft(num_tokens=cfg.ngram_tokens)),
+             "hf": lambda: hf(), "hf-prompt-lookup": lambda: hf(prompt_lookup_num_tokens=cfg.ngram_tokens),
+             "hf-assisted": lambda: hf(assistant_model=assistant)}
+    return {m: table[m]() for m in cfg.methods}
+
+
+def _check_methods(cfg: BenchConfig, draft, assistant) -> None:
+    unknown = [m for m in cfg.methods if m not in METHODS]
+    if unknown:
+        raise DFlashError(f"unknown method(s) {unknown} (known: {', '.join(METHODS)})")
+    if cfg.methods[:1] != ["ar"]:
+        raise DFlashError("--methods must start with ar: every method is checked against it and timed relative to it")
+    if "dflash" in cfg.methods and draft is None:
+        raise DFlashError("method dflash needs a draft: pass --draft DIR")
+    if "hf-assisted" in cfg.methods and assistant is None:
+        raise DFlashError("method hf-assisted needs --assistant-model (a smaller model with the same tokenizer)")
+    if cfg.batch_size > 1 and {"hf-prompt-lookup", "hf-assisted"} & set(cfg.methods):
+        raise DFlashError("transformers' assisted and prompt-lookup generation take one prompt at a time: "
+                          "use --batch-size 1")
+
+
+def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, out_stream=None) -> dict:
     from .generate import default_stop_token_ids
     from .regenerate import encode_prompt, left_pad, pad_id_for
 
+    cfg.methods = list(cfg.methods)
+    _check_methods(cfg, draft, assistant)
     sets = load_bench_prompts(cfg)
-    B = cfg.block_size or draft.config.block_size
     pad = pad_id_for(tokenizer, default_stop_token_ids(target))
     device = next(target.parameters()).device
-    kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
-
-    def run(method, ids, mask, seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        if method == "ar":
-            return ar_generate(target, ids, mask, generator=g, return_stats=True, **kw)
-        return spec_generate(target, draft, ids, mask, block_size=B, generator=g, return_stats=True, **kw)
+    runners = _runners(cfg, target, draft, assistant)
 
     # warm-up: first calls pay for allocator growth and kernel selection
     first = next(iter(sets.values()))
     if first:
         ids, mask = left_pad([encode_prompt(tokenizer, first[0].messages)], pad)
-        for m in ("ar", "dflash"):
-            run(m, ids, mask, 0)
+        for fn in runners.values():
+            fn(ids, mask, 0)
     results = {}
     for name, prompts in sets.items():
-        per = {"ar": [], "dflash": []}
-        acc, ttft, mismatches = [], {"ar": [], "dflash": []}, []
-        for k in range(0, len(prompts), cfg.batch_size):
+        speed = {m: [] for m in runners}
+        ttft = {m: [] for m in runners}
+        acc = {m: [] for m in runners}
+        mismatches = {m: [] for m in runners if m != "ar"}
+        block = {}
+        for n_chunk, k in enumerate(range(0, len(prompts), cfg.batch_size)):
             chunk = prompts[k:k + cfg.batch_size]
             ids, mask = left_pad([encode_prompt(tokenizer, p.messages) for p in chunk], pad)
-            order = ("ar", "dflash") if (k // cfg.batch_size) % 2 == 0 else ("dflash", "ar")
-            outs = {}
-            for m in order:
-                outs[m] = run(m, ids, mask, cfg.seed + k)
-            for m, o in outs.items():
-                per[m].append(sum(o.num_new_tokens) / o.total_time)
-                ttft[m].append(o.time_to_first_token)
-            acc += outs["dflash"].acceptance_lengths
+            # rotate which method goes first, so none always runs on a warm (or cold) cache
+            names = list(runners)
+            order = names[n_chunk % len(names):] + names[:n_chunk % len(names)]
+            runs = {m: runners[m](ids, mask, cfg.seed + k) for m in order}
+            for m, r in runs.items():
+                speed[m].append(sum(map(len, r.tokens)) / r.seconds)
+                ttft[m].append(r.ttft)
+                acc[m] += r.acceptance or []
+                block[m] = r.block_size
             if cfg.temperature == 0:
-                for i, p in enumerate(chunk):
-                    a = outs["ar"].sequences[i, ids.shape[1]:ids.shape[1] + outs["ar"].num_new_tokens[i]].tolist()
-                    d = outs["dflash"].sequences[i, ids.shape[1]:ids.shape[1] + outs["dflash"].num_new_tokens[i]].tolist()
-                    if a != d:
-                        pos = _first_difference(a, d)
-                        prefix = ids[i][mask[i].bool()].tolist() + a[:pos]
-                        gap, tie = _tie_check(target, prefix, a[pos] if pos < len(a) else None,
-                                              d[pos] if pos < len(d) else None)
-                        mismatches.append({"prompt": p.id, "first_difference": pos, "logit_gap": gap,
-                                           "near_tie": tie})
-                        kind = (f"a near-tie in {report_dtype(target)} (logit gap {gap:.3g}), not a logic error"
-                                if tie else "NOT a near-tie: a real divergence")
-                        print(f"dflash bench: MISMATCH on {name} {p.id}: DFlash output differs from AR at new token "
-                              f"{pos}; {kind}", file=sys.stderr)
-        hist = [0] * B
-        for a in acc:
-            hist[a - 1] += 1
-        ratios = [d / a for a, d in zip(per["ar"], per["dflash"])]
-        med = {m: statistics.median(v) for m, v in per.items()}
-        results[name] = {
-            "prompts": len(prompts), "tau": sum(acc) / max(1, len(acc)), "acceptance_histogram": hist,
-            "ar_tokens_per_s": med["ar"], "dflash_tokens_per_s": med["dflash"],
-            "speedup_ratio_of_medians": med["dflash"] / med["ar"], "speedup_median_of_ratios": statistics.median(ratios),
-            "ttft_ms": {m: 1000 * statistics.median(v) for m, v in ttft.items()},
-            "mismatches": mismatches,
-        }
-    report = {"config": asdict(cfg), "block_size": B, "dtype": report_dtype(target),
-              "threads": torch.get_num_threads(), "device": str(device), "datasets": results,
-              "total_mismatches": sum(len(r["mismatches"]) for r in results.values()),
-              "real_mismatches": sum(not m["near_tie"] for r in results.values() for m in r["mismatches"])}
+                for m in mismatches:
+                    mismatches[m] += _compare(target, name, m, chunk, ids, mask, runs["ar"].tokens, runs[m].tokens)
+        med_ar = statistics.median(speed["ar"])
+        entry = {"prompts": len(prompts), "ar_tokens_per_s": med_ar,
+                 "ar_ttft_ms": 1000 * statistics.median(ttft["ar"]), "methods": {}}
+        for m in mismatches:
+            hist = None
+            if acc[m]:
+                hist = [0] * block[m]
+                for a in acc[m]:
+                    hist[a - 1] += 1
+            med = statistics.median(speed[m])
+            entry["methods"][m] = {
+                "tokens_per_s": med, "speedup_ratio_of_medians": med / med_ar,
+                "speedup_median_of_ratios": statistics.median(x / a for a, x in zip(speed["ar"], speed[m])),
+                "tau": sum(acc[m]) / len(acc[m]) if acc[m] else None, "acceptance_histogram": hist,
+                "ttft_ms": 1000 * statistics.median(ttft[m]), "mismatches": mismatches[m],
+            }
+        results[name] = entry
+    every = [x for r in results.values() for v in r["methods"].values() for x in v["mismatches"]]
+    report = {"config": asdict(cfg), "block_size": cfg.block_size or (draft.config.block_size if draft else None),
+              "dtype": report_dtype(target), "threads": torch.get_num_threads(), "device": str(device),
+              "datasets": results, "total_mismatches": len(every),
+              "real_mismatches": sum(not m["near_tie"] for m in every)}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "results.json", json.dumps(report, indent=2) + "\n")
     report["plots"] = _plots(results, out)
     out_stream = out_stream or sys.stdout
     out_stream.write(format_table(report) + "\n")
-    out_stream.write(json.dumps({"datasets": {k: {"tau": round(v["tau"], 3), "speedup": round(v["speedup_ratio_of_medians"], 3),
-                                                   "ar_tok_s": round(v["ar_tokens_per_s"], 2),
-                                                   "dflash_tok_s": round(v["dflash_tokens_per_s"], 2),
-                                                   "mismatches": len(v["mismatches"]),
-                                                   "near_ties": sum(m["near_tie"] for m in v["mismatches"])}
-                                 for k, v in results.items()},
-                                 "results": str(out / "results.json")}) + "\n")
+    out_stream.write(json.dumps({"datasets": {
+        k: {"ar_tok_s": round(v["ar_tokens_per_s"], 2), **{m: {
+            "tau": None if x["tau"] is None else round(x["tau"], 3), "speedup": round(x["speedup_ratio_of_medians"], 3),
+            "tok_s": round(x["tokens_per_s"], 2), "mismatches": len(x["mismatches"]),
+            "near_ties": sum(y["near_tie"] for y in x["mismatches"])} for m, x in v["methods"].items()}}
+        for k, v in results.items()}, "results": str(out / "results.json")}) + "\n")
     return report
+
+
+def _compare(target, dataset, method, chunk, ids, mask, ar_rows, rows) -> list[dict]:
+    """Every prompt where `method`'s greedy answer differs from AR's, classified (near-tie or real)."""
+    found = []
+    for i, p in enumerate(chunk):
+        a, d = ar_rows[i], rows[i]
+        if a == d:
+            continue
+        pos = _first_difference(a, d)
+        prefix = ids[i][mask[i].bool()].tolist() + a[:pos]
+        gap, tie = _tie_check(target, prefix, a[pos] if pos < len(a) else None, d[pos] if pos < len(d) else None)
+        found.append({"prompt": p.id, "first_difference": pos, "logit_gap": gap, "near_tie": tie})
+        kind = (f"a near-tie in {report_dtype(target)} (logit gap {gap:.3g}), not a logic error" if tie
+                else "NOT a near-tie: a real divergence")
+        print(f"dflash bench: MISMATCH on {dataset} {p.id}: {method} output differs from AR at new token {pos}; "
+              f"{kind}", file=sys.stderr)
+    return found
 
 
 def format_table(report: dict) -> str:
     c = report["config"]
-    head = (f"dflash bench: block {report['block_size']}, {report['dtype']}, {report['threads']} threads, "
-            f"{report['device']}, temperature {c['temperature']}, batch {c['batch_size']}, "
-            f"max {c['max_new_tokens']} new tokens")
-    cols = f"{'dataset':12s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'DFlash tok/s':>12s} {'speedup':>8s} " \
-           f"{'med ratio':>9s} {'TTFT AR/DF ms':>14s} {'mismatch':>8s}"
+    head = (f"dflash bench: {report['dtype']}, {report['threads']} threads, {report['device']}, runtime "
+            f"{c['runtime']}, temperature {c['temperature']}, batch {c['batch_size']}, "
+            f"max {c['max_new_tokens']} new tokens, block {report['block_size']}")
+    cols = (f"{'dataset':12s} {'method':16s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'tok/s':>7s} "
+            f"{'speedup':>8s} {'med ratio':>9s} {'TTFT AR/method ms':>18s} {'mismatch':>8s}")
     rows = [head, cols, "-" * len(cols)]
     for name, r in report["datasets"].items():
-        rows.append(f"{name:12s} {r['prompts']:7d} {r['tau']:6.2f} {r['ar_tokens_per_s']:9.1f} "
-                    f"{r['dflash_tokens_per_s']:12.1f} {r['speedup_ratio_of_medians']:7.2f}x "
-                    f"{r['speedup_median_of_ratios']:8.2f}x {r['ttft_ms']['ar']:6.0f}/{r['ttft_ms']['dflash']:<7.0f} "
-                    f"{len(r['mismatches']):8d}")
+        for m, x in r["methods"].items():
+            tau = f"{x['tau']:6.2f}" if x["tau"] is not None else f"{'-':>6s}"
+            rows.append(f"{name:12s} {m:16s} {r['prompts']:7d} {tau} {r['ar_tokens_per_s']:9.1f} "
+                        f"{x['tokens_per_s']:7.1f} {x['speedup_ratio_of_medians']:7.2f}x "
+                        f"{x['speedup_median_of_ratios']:8.2f}x {r['ar_ttft_ms']:8.0f}/{x['ttft_ms']:<9.0f} "
+                        f"{len(x['mismatches']):8d}")
     return "\n".join(rows)
 
 
@@ -207,26 +313,39 @@ def _plots(results: dict, out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = list(results)
+    methods = list(next(iter(results.values()))["methods"]) if results else []
+    spec = [m for m in methods if any(results[n]["methods"][m]["acceptance_histogram"] for n in names)]
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
-        h = results[name]["acceptance_histogram"]
-        total = max(1, sum(h))
-        ax.bar(range(1, len(h) + 1), [x / total for x in h], color="#3b7dd8")
-        ax.set_title(f"{name}: τ = {results[name]['tau']:.2f}")
+        width = 0.8 / max(1, len(spec))
+        for j, m in enumerate(spec):
+            h = results[name]["methods"][m]["acceptance_histogram"] or []
+            total = max(1, sum(h))
+            ax.bar([k + 1 + (j - (len(spec) - 1) / 2) * width for k in range(len(h))], [x / total for x in h],
+                   width=width, label=f"{m} τ={results[name]['methods'][m]['tau']:.2f}")
+        ax.set_title(name)
         ax.set_xlabel("acceptance length")
         ax.set_ylabel("fraction of steps")
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=110)
+    with atomic_path(out / "acceptance.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(names) + 2), 3.5))
-    sp = [results[n]["speedup_ratio_of_medians"] for n in names]
-    ax.bar(names, sp, color="#e07b39")
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names) * max(1, len(methods)) / 2 + 2), 3.8))
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
+        sp = [results[n]["methods"][m]["speedup_ratio_of_medians"] for n in names]
+        ax.bar(xs, sp, width=width, label=m)
+        for x, v in zip(xs, sp):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
-    for i, v in enumerate(sp):
-        ax.text(i, v, f"{v:.2f}x", ha="center", va="bottom")
-    ax.set_ylabel("speed-up over AR (tokens/s)")
-    ax.set_title("DFlash vs plain decoding")
+    ax.set_ylabel("speed-up over our AR (tokens/s)")
+    ax.set_title("speed-up per method and dataset")
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=110)
+    with atomic_path(out / "speedup.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return [str(out / "acceptance.png"), str(out / "speedup.png")]

@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, ngram "
+                    "(prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, hf-assisted")
+    be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
+                    help="tokens proposed per step by ngram and hf-prompt-lookup")
+    be.add_argument("--assistant-model", default=None, help="the assistant for hf-assisted (same tokenizer)")
     _runtime_option(be)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
@@ -377,16 +382,22 @@ def cmd_regenerate(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import BenchConfig, run_bench
 
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-    draft_path = args.draft or shipped_draft(args.model)
-    if draft_path is None:
-        raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
-    draft = load_draft(draft_path, target)
+    draft_path = draft = assistant = None
+    if "dflash" in methods:
+        draft_path = args.draft or shipped_draft(args.model)
+        if draft_path is None:
+            raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
+        draft = load_draft(draft_path, target)
+    if args.assistant_model:
+        assistant, _ = load_target(args.assistant_model, dtype=args.dtype, device=args.device, threads=args.threads)
     cfg = BenchConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], prompts=args.prompts,
                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
-                      seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime)
-    report = run_bench(cfg, target, tokenizer, draft)
+                      seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime,
+                      methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model)
+    report = run_bench(cfg, target, tokenizer, draft, assistant=assistant)
     return 1 if report["real_mismatches"] else 0
 
 

@@ -18,6 +18,7 @@ import torch
 from .errors import DFlashInputError
 from .batch import SpecBatch
 from .model import DFlashDraftModel
+from .ngram import NgramDraft
 from .sampling import SamplingParams, choose_tokens
 
 
@@ -188,6 +189,8 @@ class _Generation:
         _sync(self.device)
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
+        if batch.ngram is not None:
+            self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
 
         j = torch.arange(self.B, device=self.device)
         n_done = int(done.sum())
@@ -199,8 +202,12 @@ class _Generation:
                 batch.select_rows(keep)
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
+            histories = None
+            if batch.ngram is not None:
+                histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live.tolist(), n_gen.tolist())]
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
-                                          lambda logits: choose_tokens(logits, self.sampling, self.generator))
+                                          lambda logits: choose_tokens(logits, self.sampling, self.generator),
+                                          histories)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -234,7 +241,7 @@ def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tok
                                "disagree (both mean the block size B here)")
     B = block_size if block_size is not None else num_speculative_tokens
     if B is None:
-        B = draft.config.block_size
+        B = draft.block_size if isinstance(draft, NgramDraft) else draft.config.block_size
     if not isinstance(B, int) or B < 2:
         raise DFlashInputError(f"block size must be an integer >= 2, got {B!r}")
     return B
@@ -250,7 +257,7 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
-        if not draft.is_bound_to(target):
+        if not isinstance(draft, NgramDraft) and not draft.is_bound_to(target):
             draft.bind(target)  # checks that the draft fits this target
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
