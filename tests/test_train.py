@@ -192,6 +192,17 @@ def test_end_to_end_draft_learns(lang, tmp_path):
     assert (tmp_path / "run" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_draft_vocabulary_is_trained_saved_and_resumed(lang, tmp_path):
+    target, tok, root = lang
+    cfg = cfg_for(root, tmp_path / "run", draft_vocab_size=20, epochs=1, max_steps=6, save_interval=3)
+    train(cfg, target=target, tokenizer=tok, progress=False)
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "final", target=target)
+    assert draft.draft_vocab is not None and len(draft.draft_vocab) == 20
+    assert set(spec_generate(target, draft, torch.tensor([[3, 5, 7]]), max_new_tokens=8)[0, 3:].tolist())
+    cfg.max_steps, cfg.resume = 8, True
+    train(cfg, target=target, tokenizer=tok, progress=False)  # picks up the checkpoint at step 6
+
+
 def test_resume_is_exact(lang, tmp_path):
     target, tok, root = lang
     straight = cfg_for(root, tmp_path / "straight", epochs=2, max_steps=40, save_interval=20)

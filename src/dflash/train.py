@@ -333,6 +333,8 @@ def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: d
 def save_draft(draft: DFlashDraftModel, folder, dtype: str) -> None:
     """Saves a copy of the draft in `dtype` (training keeps fp32 masters)."""
     copy = DFlashDraftModel(draft.config)
+    if draft.draft_vocab is not None:
+        copy.set_draft_vocab(draft.draft_vocab)
     copy.load_state_dict(draft.state_dict())
     copy.to(getattr(torch, dtype)).save_pretrained(folder)
 
