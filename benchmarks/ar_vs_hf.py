@@ -37,39 +37,40 @@ def main():
     target.generation_config.eos_token_id = None  # decode exactly max_new_tokens in both paths
     n = args.max_new_tokens
 
-    def ours(ids):
-        return ar_generate(target, ids, max_new_tokens=n, stop_token_ids=[])
+    def ours(runtime):
+        return lambda ids: ar_generate(target, ids, max_new_tokens=n, stop_token_ids=[], runtime=runtime)
 
     def hf(ids):
         return target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, pad_token_id=0)
 
-    methods = {"dflash ar_generate": ours, "transformers generate": hf}
+    methods = {"ar_generate fast": ours("fast"), "ar_generate hf": ours("hf"), "transformers generate": hf}
     encoded = [torch.tensor([tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                      tokenize=True)["input_ids"]]) for p in PROMPTS]
     with torch.inference_mode():
         for fn in methods.values():  # warm-up
             fn(encoded[0][:, :8])
         rates = {m: [] for m in methods}
-        same = True
+        same = {m: True for m in methods}
         for i, ids in enumerate(encoded * args.repeats):
-            order = list(methods) if i % 2 == 0 else list(methods)[::-1]
+            order = list(methods)[i % len(methods):] + list(methods)[:i % len(methods)]
             outs = {}
             for m in order:
                 t = time.perf_counter()
                 outs[m] = methods[m](ids)
                 rates[m].append(n / (time.perf_counter() - t))
-            same &= torch.equal(outs["dflash ar_generate"], outs["transformers generate"])
+            for m in methods:
+                same[m] &= torch.equal(outs[m], outs["transformers generate"])
     med = {m: statistics.median(r) for m, r in rates.items()}
-    ratio = med["dflash ar_generate"] / med["transformers generate"]
-    print(f"{'method':24s} {'median tok/s':>12s}  per prompt")
+    ratio = {m: med[m] / med["transformers generate"] for m in methods}
+    print(f"{'method':24s} {'median tok/s':>12s} {'vs generate':>11s} {'same tokens':>11s}  per prompt")
     for m, r in rates.items():
-        print(f"{m:24s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
-    print(f"ratio ours/transformers: {ratio:.2f}x   identical outputs: {same}")
+        print(f"{m:24s} {med[m]:12.1f} {ratio[m]:10.2f}x {str(same[m]):>11s}  {', '.join(f'{x:.1f}' for x in r)}")
     print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
                       "max_new_tokens": n, "prompts": len(encoded) * args.repeats,
-                      "tokens_per_s": {m: round(v, 2) for m, v in med.items()}, "ratio": round(ratio, 3),
-                      "identical": same}))
+                      "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+                      "ratio_to_generate": {m: round(v, 3) for m, v in ratio.items()},
+                      "identical_to_generate": same}))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 import torch
 
 from dflash import ar_generate, spec_generate
+from dflash import fast as fast_mod
 from dflash import model as model_mod
 from dflash import target as target_mod
 from dflash.loading import DEFAULT_MODEL, load_draft, load_target
@@ -30,6 +31,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--data", default=None, help="regenerated dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
+    ap.add_argument("--runtime", default="auto", choices=["auto", "fast", "hf"], help="target forward")
     args = ap.parse_args()
     target, tok = load_target(args.model, threads=args.threads)
     draft = load_draft(args.draft, target)
@@ -53,11 +55,12 @@ def main():
     model_mod.DFlashDraftModel.propose = timed("propose", model_mod.DFlashDraftModel.propose)
     model_mod.DFlashDraftModel.write_context = timed("context write", model_mod.DFlashDraftModel.write_context)
     target_mod.TargetAdapter.forward = timed("target forward", target_mod.TargetAdapter.forward)
+    fast_mod.FastTargetAdapter.forward = timed("target forward", fast_mod.FastTargetAdapter.forward)
     rows, report = [], {}
     for method in ("dflash", "ar"):
-        run = (lambda: spec_generate(target, draft, ids, max_new_tokens=args.max_new_tokens, return_stats=True)) \
-            if method == "dflash" else (lambda: ar_generate(target, ids, max_new_tokens=args.max_new_tokens,
-                                                            return_stats=True))
+        kw = dict(max_new_tokens=args.max_new_tokens, return_stats=True, runtime=args.runtime)
+        run = (lambda: spec_generate(target, draft, ids, **kw)) if method == "dflash" else \
+            (lambda: ar_generate(target, ids, **kw))
         run()  # warm-up
         for k in spent:
             spent[k] = 0.0
@@ -73,7 +76,7 @@ def main():
                     f" {out.tau:6.2f} {out.num_new_tokens[0] / total:8.1f}")
     print(f"{'method':7s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) + f" {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
-    print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size,
+    print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
                       "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))
 
 

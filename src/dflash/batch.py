@@ -75,7 +75,7 @@ class SpecBatch:
         return logits[:, -1]
 
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
-             histories: list[list[int]] | None = None):
+             histories: list[list[int]] | None = None, width: int | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
         forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q].
 
@@ -83,11 +83,16 @@ class SpecBatch:
         histories: each row's tokens so far (an n-gram draft looks its proposals up there).
         Returns (choice [L, q], accepted [L]): draft tokens 1..accepted equal the target's choices before them,
         so choice[:, :accepted+1] may be committed. Call `commit` next. q = B, except for an n-gram draft,
-        whose blocks are only as wide as its longest proposal.
+        whose blocks are only as wide as its longest proposal, and when a narrower `width` is asked for
+        (1 = a plain decoding step; the draft cache still receives the target's features).
         """
         anchor = anchor[:, None]
-        if self.ngram is not None:
-            found = [self.ngram.propose(h, self.B - 1) for h in histories]
+        width = self.B if width is None else max(1, min(width, self.B))
+        block_pos = block_pos[:, :width]
+        if width == 1:
+            verify_ids = anchor
+        elif self.ngram is not None:
+            found = [self.ngram.propose(h, width - 1) for h in histories]
             q = 1 + max(map(len, found))
             # a short proposal is padded with its row's anchor: a pad the target happens to choose is still
             # the target's own token, so acceptance stays exact
@@ -96,7 +101,7 @@ class SpecBatch:
             block_pos = block_pos[:, :q]
         elif self.draft is not None:
             self.flush()
-            mask_block = anchor.new_full((anchor.shape[0], self.B - 1), self.draft.config.mask_token_id)
+            mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
                                           self.adapter.valid[:, :self.pointer])
             verify_ids = torch.cat([anchor, proposal], 1)

@@ -154,6 +154,8 @@ def _serve_options(p) -> None:
     p.add_argument("--max-model-len", type=_int_at_least(2), default=None, help="None = the model's context")
     p.add_argument("--prefill-tokens", type=_int_at_least(1), default=512,
                    help="prompt tokens prefilled per step while others decode")
+    p.add_argument("--max-verify-tokens", type=_int_at_least(1), default=64,
+                   help="tokens verified per step over the batch: blocks narrow as more sequences run")
     p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
@@ -407,7 +409,8 @@ def _engine(args):
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     draft = None if args.no_draft else resolve_draft(args.model, args.draft, target)
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
-                       max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime)
+                       max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime,
+                       max_verify_tokens=args.max_verify_tokens)
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

@@ -35,6 +35,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the target's context length
     prefill_tokens: int = 512  # prompt tokens prefilled per step while other sequences decode
     runtime: str = "auto"  # the target's forward: auto | fast | hf (see dflash.fast)
+    # tokens verified per step over the whole batch: with many sequences running, blocks narrow (down to plain
+    # decoding) so that checking drafts that will mostly be rejected does not cost more than it gains
+    max_verify_tokens: int = 64
 
 
 class Status(Enum):
@@ -207,12 +210,13 @@ class ModelRunner:
     """The tensors: one SpecBatch holding every running row, one for the prompts being prefilled."""
 
     def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
-                 runtime: str = "auto"):
+                 runtime: str = "auto", max_verify_tokens: int = 64):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
         self.max_capacity = max_model_len + self.B
         self.device = next(target.parameters()).device
         self.runtime = runtime
+        self.max_verify_tokens = max_verify_tokens
         self.rows: list[Sequence] = []  # running sequences, in batch-row order
         self.batch = SpecBatch(target, draft, self.B, self.max_capacity, runtime)
         self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
@@ -256,8 +260,9 @@ class ModelRunner:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
         length (the cache keeps them all; a row that stops early is removed before the next step)."""
         j = torch.arange(self.B, device=self.device)
+        width = max(1, min(self.B, self.max_verify_tokens // len(self.rows)))
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
-                                           lambda logits: _choose_per_row(logits, self.rows))
+                                           lambda logits: _choose_per_row(logits, self.rows), width=width)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
@@ -287,14 +292,15 @@ class LLMEngine:
             B = config.block_size or draft.config.block_size
             if not draft.is_bound_to(target):
                 draft.bind(target)
-        if config.max_batch_size < 1 or config.max_queue < 0 or config.prefill_tokens < 1:
-            raise DFlashInputError("max_batch_size and prefill_tokens must be >= 1 and max_queue >= 0")
+        if min(config.max_batch_size, config.prefill_tokens, config.max_verify_tokens) < 1 or config.max_queue < 0:
+            raise DFlashInputError("max_batch_size, prefill_tokens and max_verify_tokens must be >= 1, "
+                                   "max_queue >= 0")
         limit = getattr(target.config.get_text_config(), "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = B
         self.stop_token_ids = default_stop_token_ids(target)
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime)
+        self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device
