@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import DFlashError
-from .io import atomic_path, atomic_write_text
+from .io import atomic_write_text, save_png
 
 # bench dataset name -> prompt set (test splits only)
 BENCH_SETS = {"gsm8k": "gsm8k:test", "math500": "math500", "humaneval": "humaneval", "mbpp": "mbpp:test",
@@ -327,10 +327,7 @@ def _plots(results: dict, out: Path) -> list[str]:
         ax.set_xlabel("acceptance length")
         ax.set_ylabel("fraction of steps")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_path(out / "acceptance.png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "acceptance.png")
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names) * max(1, len(methods)) / 2 + 2), 3.8))
     width = 0.8 / max(1, len(methods))
     for j, m in enumerate(methods):
@@ -344,8 +341,5 @@ def _plots(results: dict, out: Path) -> list[str]:
     ax.set_ylabel("speed-up over our AR (tokens/s)")
     ax.set_title("speed-up per method and dataset")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    with atomic_path(out / "speedup.png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "speedup.png")
     return [str(out / "acceptance.png"), str(out / "speedup.png")]

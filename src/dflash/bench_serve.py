@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .errors import DFlashError
-from .io import atomic_path, atomic_write_text
+from .io import atomic_write_text, save_png
 
 
 def _free_port() -> int:
@@ -163,10 +163,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_title("dflash serve: throughput vs interactivity (labels: concurrency)")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def run_bench_serve(args) -> dict:

@@ -42,3 +42,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+
+
+def save_png(fig, path: str | os.PathLike, dpi: int = 110) -> None:
+    """Lays out a matplotlib figure, writes it as a PNG atomically and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=dpi)
+    plt.close(fig)

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashError
-from .io import atomic_write_text, normal_permissions
+from .io import atomic_write_text, normal_permissions, save_png
 from .model import DFlashDraftModel, layer_masks
 
 
@@ -545,9 +545,7 @@ def plot_training_log(log_path: Path, png: Path) -> None:
     axes[2].set_title("held-out τ (greedy spec decoding)")
     for ax in axes:
         ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_png(fig, png, dpi=100)
 
 
 def _log(path: Path, writer, entry: dict) -> None:
