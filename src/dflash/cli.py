@@ -64,8 +64,9 @@ def _model_options() -> argparse.ArgumentParser:
 
 
 def _runtime_option(p) -> None:
-    p.add_argument("--runtime", choices=["auto", "fast", "hf"], default="auto",
-                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), hf = the model's own; "
+    p.add_argument("--runtime", choices=["auto", "fast", "fast-int8", "hf"], default="auto",
+                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 = the same "
+                   "with weight-only int8 linear layers (a quantised target), hf = the model's own; "
                    "auto = fast where supported")
 
 
