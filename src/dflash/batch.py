@@ -31,7 +31,6 @@ class SpecBatch:
         self.ngram = draft if isinstance(draft, NgramDraft) else None
         draft = None if self.ngram is not None else draft
         self.target, self.draft = target, draft
-        self.runtime = runtime
         self.adapter = make_adapter(target, draft.config.target_layer_ids if draft is not None else None, runtime)
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
         self.dcache: DraftKVCache | None = None

@@ -184,13 +184,5 @@ class FastTargetAdapter(TargetAdapter):
         super().__init__(model, layer_ids)
         self.fast = fast_forward(model, quantize)
 
-    def forward(self, input_ids, position_ids, *, capture, logits_to_keep=0, slot_valid=None):
-        q = input_ids.shape[1]
-        if self.pointer + q > self.capacity:
-            raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
-        self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
-        logits, taps = self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer,
-                                 self.layer_ids if capture else [], logits_to_keep)
-        self.pointer += q
-        features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if capture else None
-        return logits, features
+    def _run(self, input_ids, position_ids, tap_ids, logits_to_keep):
+        return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep)

@@ -163,11 +163,14 @@ class TargetAdapter:
             raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
         # the caller decides which of the new slots count; they must be visible to this forward
         self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
-        with tap_layers(self.layers, self.layer_ids if capture else []) as got:
+        logits, taps = self._run(input_ids, position_ids, self.layer_ids if capture else [], logits_to_keep)
+        self.pointer += q
+        features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if capture else None
+        return logits, features
+
+    def _run(self, input_ids, position_ids, tap_ids: list[int], logits_to_keep: int):
+        """The model's forward over the cache: (logits, {layer id: its output})."""
+        with tap_layers(self.layers, tap_ids) as got:
             out = self.model(input_ids=input_ids, attention_mask=self.valid, position_ids=position_ids,
                              use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kw: self.cache})
-        self.pointer += q
-        features = None
-        if capture:
-            features = torch.cat([got[i] for i in self.layer_ids], dim=-1)
-        return out.logits, features
+        return out.logits, got
