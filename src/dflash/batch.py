@@ -15,6 +15,11 @@ from .ngram import NgramDraft
 from .fast import make_adapter
 
 
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Positions [b, P] of left-padded prompts: each row's first real token is at 0 (padding gets 0 too)."""
+    return (mask.long().cumsum(1) - 1).clamp(min=0)
+
+
 class SpecBatch:
     """Target cache, draft cache and the speculative step for a batch of rows.
 

@@ -16,10 +16,11 @@ from enum import Enum
 
 import torch
 
-from .batch import SpecBatch
+from .batch import SpecBatch, prompt_positions
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
 from .model import DFlashDraftModel
+from .regenerate import left_pad
 from .sampling import SamplingParams, choose_tokens
 
 
@@ -224,14 +225,10 @@ class ModelRunner:
         self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     def start_prefill(self, seqs: list[Sequence]) -> None:
-        P = max(s.num_prompt_tokens for s in seqs)
-        ids = torch.zeros(len(seqs), P, dtype=torch.long)
-        mask = torch.zeros(len(seqs), P, dtype=torch.bool)
-        for r, s in enumerate(seqs):  # left padding, as generate does
-            ids[r, P - s.num_prompt_tokens:] = torch.tensor(s.prompt_ids)
-            mask[r, P - s.num_prompt_tokens:] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+        ids, mask = left_pad([s.prompt_ids for s in seqs], pad_id=0)  # as generate takes them
+        ids, mask = ids.to(self.device), mask.bool().to(self.device)
+        pos = prompt_positions(mask)
+        P = ids.shape[1]
         job = SpecBatch(self.target, self.draft, self.B, self.max_capacity, self.runtime)
         job.start(len(seqs), P + self.B)
         self._prefill = (job, ids, pos, mask, 0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import DFlashInputError
-from .batch import SpecBatch
+from .batch import SpecBatch, prompt_positions
 from .model import DFlashDraftModel
 from .ngram import NgramDraft
 from .sampling import SamplingParams, choose_tokens
@@ -179,7 +179,7 @@ class _Generation:
         self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + self.B, self.runtime)
         batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
-        pos = (self.mask.long().cumsum(1) - 1).clamp(min=0)  # [b, P] left padding -> positions from 0
+        pos = prompt_positions(self.mask)
         anchor_pos = self.mask.sum(1)  # [b] position of each row's last committed token (the anchor)
 
         # prefill: the whole prompt in one forward; the first token is the target's alone
