@@ -11,6 +11,7 @@ import torch
 
 from dflash import DFlashDraftModel
 from dflash.bench import BenchConfig, run_bench
+from dflash.eagle import Eagle3DraftModel
 from structured import make_tokenizer, trained_target, write_prompts
 
 SHARED_DATA = Path(os.environ.get("DFLASH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
@@ -45,19 +46,23 @@ def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
 
 def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     target, tok, draft, prompts = setup
-    methods = ["ar", "dflash", "ngram", "hf", "hf-prompt-lookup", "hf-assisted"]
+    methods = ["ar", "dflash", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted"]
     cfg = BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=16, out=str(tmp_path / "m"),
                       methods=methods, ngram_tokens=4)
-    report = run_bench(cfg, target, tok, draft, assistant=target)
+    eagle = Eagle3DraftModel.from_target(target, block_size=4)
+    report = run_bench(cfg, target, tok, draft, assistant=target, eagle=eagle)
     table = capsys.readouterr().out
     r = report["datasets"]["p"]["methods"]
     assert list(r) == methods[1:] and report["total_mismatches"] == 0
-    assert r["ngram"]["tau"] >= 1 and r["hf"]["tau"] is None
+    assert r["ngram"]["tau"] >= 1 and r["eagle3"]["tau"] >= 1 and r["hf"]["tau"] is None
     assert all(f"p            {m}" in table for m in methods[1:])
     with pytest.raises(Exception, match="must start with ar"):
         run_bench(BenchConfig(prompts=str(prompts), methods=["dflash"], out=str(tmp_path / "x")), target, tok, draft)
     with pytest.raises(Exception, match="needs --assistant-model"):
         run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "hf-assisted"], out=str(tmp_path / "x")),
+                  target, tok, draft)
+    with pytest.raises(Exception, match="needs an EAGLE-3-style drafter"):
+        run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "eagle3"], out=str(tmp_path / "x")),
                   target, tok, draft)
 
 
@@ -88,6 +93,7 @@ def test_named_datasets_and_cli(tiny_gguf, tmp_path):
 
     target, tok = load_target(tiny_gguf, dtype="float32")
     DFlashDraftModel.from_target(target, block_size=4, tokenizer=tok).save_pretrained(tmp_path / "draft")
+    Eagle3DraftModel.from_target(target, block_size=3).save_pretrained(tmp_path / "eagle")
     sets = "gsm8k,math500,mbpp"
     import importlib.util
 
@@ -95,13 +101,14 @@ def test_named_datasets_and_cli(tiny_gguf, tmp_path):
         sets += ",humaneval,mt-bench"
     r = subprocess.run([sys.executable, "-m", "dflash.cli", "bench", "--model", str(tiny_gguf), "--draft",
                         str(tmp_path / "draft"), "--datasets", sets, "--num-prompts", "2", "--max-new-tokens", "6",
+                        "--methods", "ar,dflash,eagle3", "--eagle-draft", str(tmp_path / "eagle"),
                         "--dtype", "float32", "--threads", "1", "--out", str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))
     assert r.returncode == 0, r.stderr[-2000:]
     last = json.loads(r.stdout.strip().splitlines()[-1])
     assert list(last["datasets"]) == sets.split(",")
-    assert all(v["dflash"]["mismatches"] == 0 for v in last["datasets"].values())
+    assert all(v[m]["mismatches"] == 0 for v in last["datasets"].values() for m in ("dflash", "eagle3"))
     bad = subprocess.run([sys.executable, "-m", "dflash.cli", "bench", "--model", str(tiny_gguf), "--draft",
                           str(tmp_path / "draft"), "--datasets", "gsm8k,nope", "--dtype", "float32"],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, DFLASH_DATA_DIR=str(SHARED_DATA)))

@@ -159,3 +159,24 @@ def test_bench_serve_runs_dflash_and_ar_servers(tiny_gguf, setup, tmp_path):
     assert [row["concurrency"] for row in report["results"]["dflash"]] == [1, 3]
     assert all(row["tokens"] > 0 and row["ttft_p50_s"] > 0 for rows in report["results"].values() for row in rows)
     assert (out / "pareto.png").stat().st_size > 0
+
+
+def test_bench_serve_tells_near_ties_from_unexplained_differences(tiny_gguf):
+    import argparse
+
+    from dflash.bench_serve import classify_mismatches
+    from dflash.prompts import Prompt
+
+    args = argparse.Namespace(model=tiny_gguf, dtype="float32", device=None, threads=1)
+    _, tok = load_target(tiny_gguf, dtype="float32")
+    prompt = Prompt("p:1", [{"role": "user", "content": "the cat"}])
+    ar_text, spec_text = "the cat sat on", "the cat dog on"
+    row = {"concurrency": 1}
+    same = {"dflash": [dict(row, texts=[ar_text])], "ar": [dict(row, texts=[ar_text])]}
+    assert classify_mismatches(args, [prompt], same) == []
+    found = classify_mismatches(args, [prompt], {"dflash": [dict(row, texts=[spec_text])],
+                                                 "ar": [dict(row, texts=[ar_text])]})
+    part = len(tok("the cat", add_special_tokens=False)["input_ids"])
+    # two different tokens of a random fp32 model: their logits are far apart next to fp32 rounding
+    assert len(found) == 1 and found[0]["token"] >= part - 1 and not found[0]["near_tie"]
+    assert abs(found[0]["logit_gap"]) > 0

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .eagle import Eagle3DraftModel
 from .model import DFlashDraftModel, DraftKVCache
 from .ngram import NgramDraft
 from .fast import make_adapter
@@ -36,6 +37,9 @@ class SpecBatch:
         self.ngram = draft if isinstance(draft, NgramDraft) else None
         draft = None if self.ngram is not None else draft
         self.target, self.draft = target, draft
+        # a chain drafter's cache entry j pairs f_j with the token after it, so its pending features wait for
+        # those tokens: (features, next ids or None = the rest of the chunk then the anchor, last row index)
+        self.eagle = draft if isinstance(draft, Eagle3DraftModel) else None
         self.adapter = make_adapter(target, draft.config.target_layer_ids if draft is not None else None, runtime)
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
         self.dcache: DraftKVCache | None = None
@@ -73,9 +77,11 @@ class SpecBatch:
         logits, feats = self.adapter.forward(input_ids, pos, capture=self.draft is not None, logits_to_keep=1,
                                              slot_valid=mask)
         if self.draft is not None:
-            self.flush()
+            self.flush(input_ids[:, 0])
             self.dcache.positions[:, slot:slot + q] = pos
             self.pending = (feats.masked_fill(~mask[..., None], 0), slot)
+            if self.eagle is not None:
+                self._chunk = (input_ids, None, input_ids.new_full((input_ids.shape[0],), q - 1))
         return logits[:, -1]
 
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
@@ -103,6 +109,11 @@ class SpecBatch:
             rows = [f + [int(a)] * (q - 1 - len(f)) for f, a in zip(found, anchor[:, 0].tolist())]
             verify_ids = torch.cat([anchor, torch.tensor(rows, dtype=torch.long, device=anchor.device)], 1)
             block_pos = block_pos[:, :q]
+        elif self.eagle is not None:
+            self.flush(anchor[:, 0])
+            proposal = self.eagle.chain(*self._chain_start, self.dcache, self.adapter.valid[:, :self.pointer],
+                                        width - 1)
+            verify_ids = torch.cat([anchor, proposal], 1)
         elif self.draft is not None:
             self.flush()
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
@@ -114,6 +125,7 @@ class SpecBatch:
         self._slot, self._block_pos, self._q = self.pointer, block_pos, verify_ids.shape[1]
         logits, self._feats = self.adapter.forward(verify_ids, block_pos, capture=self.draft is not None)
         choice = choose(logits)
+        self._choice = choice
         accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
         return choice, accepted
 
@@ -126,16 +138,32 @@ class SpecBatch:
         if self.draft is not None:
             self.dcache.positions[:, p:p + q] = self._block_pos
             self.pending = (self._feats, p)
+            if self.eagle is not None:  # the token after each kept slot is the target's own choice there
+                self._chunk = (None, self._choice, n_keep - 1)
         self.adapter.rewind(q - advance)
         if self.pointer + self.B > self.adapter.capacity:
             self.make_room()
 
-    def flush(self) -> None:
-        """Writes pending target features into the draft cache (before a draft forward or moving slots)."""
-        if self.pending is not None:
-            feats, slot = self.pending
+    def flush(self, next_token: torch.Tensor | None = None):
+        """Writes pending target features into the draft cache (before a draft forward or moving slots).
+        A chain drafter also needs the token after the last pending slot when it is not yet known: the next
+        prompt chunk's first token or the anchor (next_token [b]); it keeps its last entry per row
+        (stream [b, H], u [b, 2H], position [b]), where its chain starts."""
+        if self.pending is None:
+            return
+        feats, slot = self.pending
+        self.pending = None
+        if self.eagle is None:
             self.draft.write_context(feats, self.dcache, slot)
-            self.pending = None
+            return
+        ids, next_ids, last = self._chunk
+        if next_ids is None:
+            if next_token is None:
+                raise RuntimeError("the chain drafter's prompt entries need the token that follows the prompt")
+            next_ids = torch.cat([ids[:, 1:], next_token[:, None]], 1)
+        stream, u = self.eagle.write_entries(feats, next_ids, self.dcache, slot)
+        rows = torch.arange(len(last), device=last.device)
+        self._chain_start = (stream[rows, last], u[rows, last], self.dcache.positions[rows, slot + last])
 
     # ---- reshaping ---------------------------------------------------------------------------------------
     def select_rows(self, keep: torch.Tensor) -> None:
@@ -145,6 +173,10 @@ class SpecBatch:
             self.dcache.select_rows(keep)
             if self.pending is not None:
                 self.pending = (self.pending[0][keep], self.pending[1])
+                if self.eagle is not None:
+                    self._chunk = tuple(None if t is None else t[keep] for t in self._chunk)
+            elif self.eagle is not None:  # already flushed: the chain starts are ready
+                self._chain_start = tuple(t[keep] for t in self._chain_start)
 
     def merge(self, other: "SpecBatch") -> None:
         """Appends the rows of `other` (freshly prefilled sequences) to this batch."""

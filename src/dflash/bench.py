@@ -44,6 +44,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
     ngram_tokens: int = 10  # proposals per step for ngram / hf-prompt-lookup
     assistant_model: str | None = None  # for hf-assisted
+    eagle_draft: str | None = None  # for eagle3
 
 
 def load_bench_prompts(cfg: BenchConfig) -> dict[str, list]:
@@ -103,7 +104,7 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, 
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-METHODS = ("ar", "dflash", "ngram", "hf", "hf-prompt-lookup", "hf-assisted")
+METHODS = ("ar", "dflash", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted")
 
 
 @dataclass
@@ -131,7 +132,7 @@ class _FirstToken:
         pass
 
 
-def _runners(cfg: BenchConfig, target, draft, assistant) -> dict:
+def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     """method -> fn(ids, mask, seed) -> Run, for every method asked for."""
     from .generate import ar_generate, default_stop_token_ids, spec_generate
     from .ngram import NgramDraft
@@ -172,14 +173,14 @@ def _runners(cfg: BenchConfig, target, draft, assistant) -> dict:
             return Run(rows, seconds, (streamer.first or t0 + seconds) - t0)
         return fn
 
-    table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
+    table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size), "eagle3": lambda: ours(eagle),
              "ngram": lambda: ours(NgramDraft(num_tokens=cfg.ngram_tokens)),
              "hf": lambda: hf(), "hf-prompt-lookup": lambda: hf(prompt_lookup_num_tokens=cfg.ngram_tokens),
              "hf-assisted": lambda: hf(assistant_model=assistant)}
     return {m: table[m]() for m in cfg.methods}
 
 
-def _check_methods(cfg: BenchConfig, draft, assistant) -> None:
+def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
     unknown = [m for m in cfg.methods if m not in METHODS]
     if unknown:
         raise DFlashError(f"unknown method(s) {unknown} (known: {', '.join(METHODS)})")
@@ -187,6 +188,8 @@ def _check_methods(cfg: BenchConfig, draft, assistant) -> None:
         raise DFlashError("--methods must start with ar: every method is checked against it and timed relative to it")
     if "dflash" in cfg.methods and draft is None:
         raise DFlashError("method dflash needs a draft: pass --draft DIR")
+    if "eagle3" in cfg.methods and eagle is None:
+        raise DFlashError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle-draft DIR")
     if "hf-assisted" in cfg.methods and assistant is None:
         raise DFlashError("method hf-assisted needs --assistant-model (a smaller model with the same tokenizer)")
     if cfg.batch_size > 1 and {"hf-prompt-lookup", "hf-assisted"} & set(cfg.methods):
@@ -194,16 +197,16 @@ def _check_methods(cfg: BenchConfig, draft, assistant) -> None:
                           "use --batch-size 1")
 
 
-def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, out_stream=None) -> dict:
+def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None) -> dict:
     from .generate import default_stop_token_ids
     from .regenerate import encode_prompt, left_pad, pad_id_for
 
     cfg.methods = list(cfg.methods)
-    _check_methods(cfg, draft, assistant)
+    _check_methods(cfg, draft, assistant, eagle)
     sets = load_bench_prompts(cfg)
     pad = pad_id_for(tokenizer, default_stop_token_ids(target))
     device = next(target.parameters()).device
-    runners = _runners(cfg, target, draft, assistant)
+    runners = _runners(cfg, target, draft, assistant, eagle)
 
     # warm-up: first calls pay for allocator growth and kernel selection
     first = next(iter(sets.values()))

@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
-    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, ngram "
-                    "(prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, hf-assisted")
+    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, eagle3 "
+                    "(the EAGLE-3-style chain drafter), ngram (prompt lookup through our loop), hf (transformers "
+                    "generate), hf-prompt-lookup, hf-assisted")
+    be.add_argument("--eagle-draft", default=None, help="the eagle3 drafter (from `dflash train --method eagle3`)")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
                     help="tokens proposed per step by ngram and hf-prompt-lookup")
     be.add_argument("--assistant-model", default=None, help="the assistant for hf-assisted (same tokenizer)")
@@ -164,7 +166,9 @@ def _serve_options(p) -> None:
 
 
 _TRAIN_HELP = {
-    "target": "target model (alias, folder, .gguf or hub id)", "data": "dataset folders from `dflash regenerate`",
+    "target": "target model (alias, folder, .gguf or hub id)",
+    "method": "dflash (block diffusion) or eagle3 (an EAGLE-3-style chain drafter, for comparison)",
+    "ttt_steps": "eagle3: chain steps unrolled in training (default: block size - 1)", "data": "dataset folders from `dflash regenerate`",
     "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features)",
     "init_draft": "start from this draft instead of a fresh one",
     "init_from_target": "start the draft layers as copies of the target's last layers",
@@ -387,20 +391,27 @@ def cmd_bench(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-    draft_path = draft = assistant = None
+    draft_path = draft = assistant = eagle = None
     if "dflash" in methods:
         draft_path = args.draft or shipped_draft(args.model)
         if draft_path is None:
             raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
         draft = load_draft(draft_path, target)
+    if "eagle3" in methods:
+        if not args.eagle_draft:
+            raise DFlashError("method eagle3 needs --eagle-draft DIR (from `dflash train --method eagle3`)")
+        eagle = load_draft(args.eagle_draft, target)
+        if eagle.config.draft_method != "eagle3":
+            raise DFlashError(f"--eagle-draft {args.eagle_draft} is a {eagle.config.draft_method} draft, not eagle3")
     if args.assistant_model:
         assistant, _ = load_target(args.assistant_model, dtype=args.dtype, device=args.device, threads=args.threads)
     cfg = BenchConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], prompts=args.prompts,
                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
                       seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime,
-                      methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model)
-    report = run_bench(cfg, target, tokenizer, draft, assistant=assistant)
+                      methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model,
+                      eagle_draft=args.eagle_draft)
+    report = run_bench(cfg, target, tokenizer, draft, assistant=assistant, eagle=eagle)
     return 1 if report["real_mismatches"] else 0
 
 

@@ -11,6 +11,7 @@ from .errors import DFlashConfigError
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+DRAFT_METHODS = ("dflash", "eagle3")
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -56,6 +57,7 @@ class DFlashConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     dtype: str | None = None
+    draft_method: str = "dflash"  # "dflash" or "eagle3" (the EAGLE-3-style chain drafter in dflash.eagle)
     # keys from a loaded config.json that we do not interpret; written back unchanged
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -93,6 +95,8 @@ class DFlashConfig:
         for t in self.layer_types:
             if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
                 bad(f"unknown layer type {t!r} (expected {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r})")
+        if self.draft_method not in DRAFT_METHODS:
+            bad(f"unknown draft_method {self.draft_method!r} (expected one of {', '.join(DRAFT_METHODS)})")
         if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
             bad("layer_types uses sliding_attention but sliding_window is not a positive integer")
 
@@ -104,7 +108,7 @@ class DFlashConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.extra)
         d.update({
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["Eagle3DraftModel" if self.draft_method == "eagle3" else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -133,6 +137,8 @@ class DFlashConfig:
                 "block_size": self.block_size,
             },
         })
+        if self.draft_method != "dflash":
+            d["draft_method"] = self.draft_method
         if self.dtype is not None:
             d["dtype"] = self.dtype
         return d
@@ -164,6 +170,8 @@ class DFlashConfig:
         kwargs.setdefault("num_key_value_heads", d["num_attention_heads"])
         if "num_target_layers" not in kwargs:
             kwargs["num_target_layers"] = max(kwargs["target_layer_ids"]) + 1
+        if "Eagle3DraftModel" in (d.get("architectures") or []):
+            kwargs.setdefault("draft_method", "eagle3")
         if "torch_dtype" in d and "dtype" not in d:
             kwargs["dtype"] = d["torch_dtype"]
         extra = {k: v for k, v in d.items() if k not in known and k not in

@@ -286,6 +286,9 @@ class LLMEngine:
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         B = 1
         if draft is not None:
+            if draft.config.draft_method != "dflash":
+                raise DFlashInputError(f"the serving engine runs DFlash drafts; this is a {draft.config.draft_method} "
+                                       "draft (use it with `dflash generate` or `dflash bench`)")
             B = config.block_size or draft.config.block_size
             if not draft.is_bound_to(target):
                 draft.bind(target)

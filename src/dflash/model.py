@@ -293,6 +293,10 @@ class DFlashDraftModel(nn.Module):
         if not os.path.isdir(directory):
             directory = _download(directory)
         config = DFlashConfig.load(directory)
+        if config.draft_method == "eagle3" and cls is DFlashDraftModel:
+            from .eagle import Eagle3DraftModel
+
+            cls = Eagle3DraftModel
         model = cls(config)
         path = os.path.join(directory, "model.safetensors")
         if not os.path.isfile(path):

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import DRAFT_METHODS
+from .eagle import Eagle3DraftModel, Eagle3TrainStep
 from .errors import DFlashError
 from .io import atomic_write_text, normal_permissions, save_png
 from .model import DFlashDraftModel, layer_masks
@@ -30,6 +32,7 @@ from .model import DFlashDraftModel, layer_masks
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m-instruct"
+    method: str = "dflash"  # or "eagle3": the EAGLE-3-style chain drafter (dflash.eagle), for comparison
     data: list[str] = field(default_factory=list)
     output: str = "runs/draft"
     features: str | None = None  # folder written by `dflash features`
@@ -43,6 +46,7 @@ class TrainConfig:
     mask_token_id: int | None = None
     num_anchors: int = 512
     gamma: float | None = None  # None: 7 for B=16, scaled with B otherwise
+    ttt_steps: int | None = None  # eagle3: chain steps unrolled in training (None: block_size - 1)
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of all steps
     weight_decay: float = 0.0
@@ -176,25 +180,35 @@ class DFlashTrainStep(nn.Module):
         labels = labels.to(features.device)
         hidden = self._hidden(features, block_ids, block_pos, anchors)[:, 1:]  # predictions come from the mask slots
         counted = labels != -100
-        if d.draft_vocab is None:
-            keep = counted
-            logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
-        else:
-            # a draft vocabulary: logits over its rows only (6x less LM-head work at 8k of 49k); a label outside
-            # it can never be proposed, so it counts as a miss and adds no loss
-            weight, bias, rows = d._draft_head()
-            index = torch.full((d.lm_head.weight.shape[0],), -1, dtype=torch.long, device=labels.device)
-            index[rows.to(labels.device)] = torch.arange(len(rows), device=labels.device)
-            labels = torch.where(counted, index[labels.clamp(min=0)], -100)
-            keep = labels >= 0
-            logits = F.linear(hidden[keep].to(weight.dtype), weight, bias).float()
-        w = self.weights.to(features.device).expand_as(labels)[keep]
-        ce = F.cross_entropy(logits, labels[keep], reduction="none")
-        loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
-        with torch.no_grad():
-            correct = torch.zeros_like(labels, dtype=torch.float32)
-            correct[keep] = (logits.argmax(-1) == labels[keep]).float()
+        w = self.weights.to(features.device).expand_as(labels)
+        loss, correct = head_loss(d, hidden, labels, w)
         return loss, (correct.sum(0), counted.float().sum(0))
+
+
+def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):
+    """Weighted cross-entropy of the draft's (already normed) final states hidden [..., H] against labels [...]
+    (-100: not counted), and which predictions were right ([...] float, 0 where not counted)."""
+    counted = labels != -100
+    if d.draft_vocab is None:
+        keep = counted
+        logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
+    else:
+        # a draft vocabulary: logits over its rows only (6x less LM-head work at 8k of 49k); a label outside
+        # it can never be proposed, so it counts as a miss and adds no loss
+        weight, bias, rows = d._draft_head()
+        index = torch.full((d.lm_head.weight.shape[0],), -1, dtype=torch.long, device=labels.device)
+        index[rows.to(labels.device)] = torch.arange(len(rows), device=labels.device)
+        labels = torch.where(counted, index[labels.clamp(min=0)], -100)
+        keep = labels >= 0
+        logits = F.linear(hidden[keep].to(weight.dtype), weight, bias).float()
+    w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
+    w = w[keep]
+    ce = F.cross_entropy(logits, labels[keep], reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
+    with torch.no_grad():
+        correct = torch.zeros_like(labels, dtype=torch.float32)
+        correct[keep] = (logits.argmax(-1) == labels[keep]).float()
+    return loss, correct
 
 
 # ---- target features -------------------------------------------------------------------------------------
@@ -332,7 +346,7 @@ def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: d
 
 def save_draft(draft: DFlashDraftModel, folder, dtype: str) -> None:
     """Saves a copy of the draft in `dtype` (training keeps fp32 masters)."""
-    copy = DFlashDraftModel(draft.config)
+    copy = type(draft)(draft.config)
     if draft.draft_vocab is not None:
         copy.set_draft_vocab(draft.draft_vocab)
     copy.load_state_dict(draft.state_dict())
@@ -380,6 +394,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     rank, world = _dist()
     is_main = rank == 0
     out = Path(cfg.output)
+    if cfg.method not in DRAFT_METHODS:
+        raise DFlashError(f"unknown --method {cfg.method!r}: expected one of {', '.join(DRAFT_METHODS)}")
     if not cfg.data:
         raise DFlashError("no training data: pass one or more dataset folders (from `dflash regenerate`)")
     if target is None:
@@ -400,6 +416,11 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         draft = DFlashDraftModel.from_pretrained(resume_from, target=target, dtype=torch.float32)
     elif cfg.init_draft:
         draft = load_draft(cfg.init_draft, target, dtype=torch.float32)
+    elif cfg.method == "eagle3":
+        torch.manual_seed(cfg.seed)
+        draft = Eagle3DraftModel.from_target(target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
+                                             num_target_features=cfg.num_target_features)
+        draft.to(torch.float32)
     else:
         torch.manual_seed(cfg.seed)
         draft = DFlashDraftModel.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
@@ -418,7 +439,11 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         store = FeatureStore(cfg.features)
         store.check(layer_ids, fingerprint)
 
-    step_module = DFlashTrainStep(draft, cfg.resolved_gamma())
+    eagle = draft.config.draft_method == "eagle3"
+    if eagle != (cfg.method == "eagle3"):
+        raise DFlashError(f"--method {cfg.method} but the starting draft is a {draft.config.draft_method} draft")
+    n_slots = (cfg.ttt_steps or cfg.block_size - 1) if eagle else cfg.block_size - 1  # per-slot (per-step) accuracy
+    step_module = Eagle3TrainStep(draft, n_slots, head_loss) if eagle else DFlashTrainStep(draft, cfg.resolved_gamma())
     model = step_module
     if world > 1:
         model = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -460,8 +485,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                dynamic_ncols=True)
     t0 = time.perf_counter()
     window_loss, window_n = 0.0, 0
-    slot_correct = torch.zeros(cfg.block_size - 1)
-    slot_total = torch.zeros(cfg.block_size - 1)
+    slot_correct = torch.zeros(n_slots)
+    slot_total = torch.zeros(n_slots)
     tau = None
     while step < last:
         epoch, in_epoch = divmod(step, steps_per_epoch)
@@ -482,7 +507,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             with ctx:
                 if len(anchors) == 0:  # nothing to learn here; keep DDP's collectives in step
                     loss = sum(p.sum() * 0 for p in params)
-                    per_slot = (torch.zeros(cfg.block_size - 1), torch.zeros(cfg.block_size - 1))
+                    per_slot = (torch.zeros(n_slots), torch.zeros(n_slots))
                 else:
                     loss, per_slot = model(feats, ids.to(device), lm.to(device), anchors.to(device))
                 (loss / len(batch)).backward()
