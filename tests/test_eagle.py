@@ -10,7 +10,7 @@ from dflash.eagle import Eagle3DraftModel, Eagle3TrainStep, ttt_masks
 from dflash.engine import LLMEngine
 from dflash.errors import DFlashInputError
 from dflash.model import DraftKVCache
-from dflash.train import head_loss, target_features, train
+from dflash.train import target_features, train
 from test_lossless import MAX_NEW, new_tokens, references
 from test_train import cfg_for, lang  # noqa: F401  (the structured target and its regenerated data)
 from tiny import ragged_batch, tiny_target
@@ -69,7 +69,7 @@ def test_inference_chain_equals_the_unrolled_training_forward():
     stream, u = draft.write_entries(feats[None, :a], x[None, 1:a + 1], cache, 0)
     chain = draft.chain(stream[:, -1], u[:, -1], torch.tensor([a - 1]), cache, torch.ones(1, a, dtype=torch.bool), k)
     full = torch.cat([x, chain[0]])
-    unrolled = Eagle3TrainStep(draft, k, head_loss).unrolled(
+    unrolled = Eagle3TrainStep(draft, k).unrolled(
         target_features(target, draft.config.target_layer_ids, full), full)
     got = [int(draft.head_argmax(s[None, a - 1:a])[0, 0]) for s in unrolled]
     assert got == chain[0].tolist()

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model import DFlashDraftModel, DFlashMLP, DraftKVCache, RMSNorm, apply_rope
+from .model import DFlashDraftModel, DFlashMLP, DraftKVCache, RMSNorm, apply_rope, head_loss
 
 STEP_DECAY = 0.8  # loss weight of unroll step i is STEP_DECAY**i
 
@@ -105,13 +105,8 @@ class Eagle3DraftModel(DFlashDraftModel):
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def head_argmax(self, h: torch.Tensor) -> torch.Tensor:
-        """Greedy token ids [b, n] from output states h [b, n, H] (through the draft vocabulary if set)."""
-        b, n, H = h.shape
-        x = self.norm(h).reshape(b * n, H)
-        if self.draft_vocab is None:
-            return self.logits(x).argmax(-1).view(b, n)
-        weight, bias, rows = self._draft_head()
-        return rows[F.linear(x.to(weight.dtype), weight, bias).argmax(-1)].view(b, n)
+        """Greedy token ids [b, n] from output states h [b, n, H]."""
+        return self.greedy_tokens(self.norm(h))
 
     # ---- inference ---------------------------------------------------------------------------------------
     def write_entries(self, features, next_ids, cache: DraftKVCache, slot: int):
@@ -141,14 +136,11 @@ class Eagle3DraftModel(DFlashDraftModel):
         tokens = []
         for i in range(k):
             if i > 0:  # the draft's own output and proposal become the next entry
-                u = self.layer_inputs(stream, tokens[-1])
-                pos = pos + 1
-                cos, sin = self.rotary_emb(u, pos)
-                kk, vv = attn.kv(u, cos, sin)
-                cache.keys[0, :, :, T + i - 1:T + i] = kk
-                cache.values[0, :, :, T + i - 1:T + i] = vv
-                visible = torch.cat([visible, visible.new_ones(b, 1)], 1)
+                u, pos = self.layer_inputs(stream, tokens[-1]), pos + 1
             cos, sin = self.rotary_emb(u, pos)
+            if i > 0:
+                cache.keys[0, :, :, T + i - 1:T + i], cache.values[0, :, :, T + i - 1:T + i] = attn.kv(u, cos, sin)
+                visible = torch.cat([visible, visible.new_ones(b, 1)], 1)
             n = visible.shape[1]
             stream = self.layer_output(stream, u, cos, sin, cache.keys[0, :, :, :n], cache.values[0, :, :, :n],
                                        visible[:, None, None])
@@ -167,9 +159,9 @@ def ttt_masks(n: int, steps: int, device) -> list[torch.Tensor]:
 class Eagle3TrainStep(nn.Module):
     """Training-time-test loss of one sequence (a module so DistributedDataParallel can wrap it)."""
 
-    def __init__(self, draft: Eagle3DraftModel, steps: int, head_loss):
+    def __init__(self, draft: Eagle3DraftModel, steps: int):
         super().__init__()
-        self.draft, self.steps, self.head_loss = draft, steps, head_loss
+        self.draft, self.steps = draft, steps
 
     def unrolled(self, features, input_ids) -> list[torch.Tensor]:
         """The chain unrolled over a whole sequence: features [T, F], input_ids [T] -> per step i the output
@@ -213,7 +205,7 @@ class Eagle3TrainStep(nn.Module):
             ok = (at < T) & lm[at.clamp(max=T - 1)]
             if not ok.any():
                 continue
-            loss, hit = self.head_loss(d, d.norm(stream[j]), torch.where(ok, ids[at.clamp(max=T - 1)], -100))
+            loss, hit = head_loss(d, d.norm(stream[j]), torch.where(ok, ids[at.clamp(max=T - 1)], -100))
             w = STEP_DECAY ** i
             total = total + w * loss
             weight_sum += w

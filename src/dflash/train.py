@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import DRAFT_METHODS
 from .eagle import Eagle3DraftModel, Eagle3TrainStep
 from .errors import DFlashError
 from .io import atomic_write_text, normal_permissions, save_png
-from .model import DFlashDraftModel, layer_masks
+from .model import DFlashDraftModel, head_loss, layer_masks
 
 
 @dataclass
@@ -183,32 +182,6 @@ class DFlashTrainStep(nn.Module):
         w = self.weights.to(features.device).expand_as(labels)
         loss, correct = head_loss(d, hidden, labels, w)
         return loss, (correct.sum(0), counted.float().sum(0))
-
-
-def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):
-    """Weighted cross-entropy of the draft's (already normed) final states hidden [..., H] against labels [...]
-    (-100: not counted), and which predictions were right ([...] float, 0 where not counted)."""
-    counted = labels != -100
-    if d.draft_vocab is None:
-        keep = counted
-        logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
-    else:
-        # a draft vocabulary: logits over its rows only (6x less LM-head work at 8k of 49k); a label outside
-        # it can never be proposed, so it counts as a miss and adds no loss
-        weight, bias, rows = d._draft_head()
-        index = torch.full((d.lm_head.weight.shape[0],), -1, dtype=torch.long, device=labels.device)
-        index[rows.to(labels.device)] = torch.arange(len(rows), device=labels.device)
-        labels = torch.where(counted, index[labels.clamp(min=0)], -100)
-        keep = labels >= 0
-        logits = F.linear(hidden[keep].to(weight.dtype), weight, bias).float()
-    w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
-    w = w[keep]
-    ce = F.cross_entropy(logits, labels[keep], reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
-    with torch.no_grad():
-        correct = torch.zeros_like(labels, dtype=torch.float32)
-        correct[keep] = (logits.argmax(-1) == labels[keep]).float()
-    return loss, correct
 
 
 # ---- target features -------------------------------------------------------------------------------------
@@ -443,7 +416,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if eagle != (cfg.method == "eagle3"):
         raise DFlashError(f"--method {cfg.method} but the starting draft is a {draft.config.draft_method} draft")
     n_slots = (cfg.ttt_steps or cfg.block_size - 1) if eagle else cfg.block_size - 1  # per-slot (per-step) accuracy
-    step_module = Eagle3TrainStep(draft, n_slots, head_loss) if eagle else DFlashTrainStep(draft, cfg.resolved_gamma())
+    step_module = Eagle3TrainStep(draft, n_slots) if eagle else DFlashTrainStep(draft, cfg.resolved_gamma())
     model = step_module
     if world > 1:
         model = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
