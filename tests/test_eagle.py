@@ -12,7 +12,7 @@ from dflash.errors import DFlashInputError
 from dflash.model import DraftKVCache
 from dflash.train import target_features, train
 from test_lossless import MAX_NEW, new_tokens, references
-from test_train import cfg_for, lang  # noqa: F401  (the structured target and its regenerated data)
+from test_train import answer_tau, cfg_for, lang  # noqa: F401  (the structured target and its regenerated data)
 from tiny import ragged_batch, tiny_target
 
 
@@ -85,16 +85,7 @@ def test_training_masks_see_context_then_own_chain():
 
 def test_eagle3_trainer_learns_saves_and_reloads(lang, tmp_path):  # noqa: F811
     target, tok, root = lang
-    from dflash.regenerate import read_dataset
-
-    records = read_dataset([root / "data"])
-    prompts = [torch.tensor([r["input_ids"][:r["num_prompt_tokens"]]]) for r in records[:8]]
-
-    def tau(draft):
-        acc = []
-        for p in prompts:
-            acc += spec_generate(target, draft, p, max_new_tokens=32, return_stats=True).acceptance_lengths
-        return sum(acc) / len(acc)
+    tau = answer_tau(target, root, 8)
 
     assert tau(Eagle3DraftModel.from_target(target, block_size=5)) < 1.5
     train(cfg_for(root, tmp_path / "run", method="eagle3", block_size=5, epochs=6), target=target, tokenizer=tok,

@@ -167,16 +167,22 @@ def test_regenerate_with_a_draft_writes_the_same_greedy_data(lang, tmp_path):
         assert (tmp_path / "spec" / shard.name).read_text() == shard.read_text()
 
 
-def test_end_to_end_draft_learns(lang, tmp_path):
-    target, tok, root = lang
+def answer_tau(target, root, n: int):
+    """τ(draft) over the prompts of the first n regenerated records (32 new tokens each)."""
     records = read_dataset([root / "data"])
-    prompts = [torch.tensor([r["input_ids"][:r["num_prompt_tokens"]]]) for r in records[:12]]
+    prompts = [torch.tensor([r["input_ids"][:r["num_prompt_tokens"]]]) for r in records[:n]]
 
     def tau(draft):
         acc = []
         for p in prompts:
             acc += spec_generate(target, draft, p, max_new_tokens=32, return_stats=True).acceptance_lengths
         return sum(acc) / len(acc)
+    return tau
+
+
+def test_end_to_end_draft_learns(lang, tmp_path):
+    target, tok, root = lang
+    tau = answer_tau(target, root, 12)
 
     fresh = DFlashDraftModel.from_target(target, block_size=8, mask_token_id=MASK)
     assert tau(fresh) < 1.5
