@@ -46,7 +46,7 @@ def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
 
 def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     target, tok, draft, prompts = setup
-    methods = ["ar", "dflash", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted"]
+    methods = ["ar", "dflash", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit"]
     cfg = BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=16, out=str(tmp_path / "m"),
                       methods=methods, ngram_tokens=4)
     eagle = Eagle3DraftModel.from_target(target, block_size=4)
@@ -61,6 +61,9 @@ def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     with pytest.raises(Exception, match="needs --assistant-model"):
         run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "hf-assisted"], out=str(tmp_path / "x")),
                   target, tok, draft)
+    with pytest.raises(Exception, match="early-exit-layer must be between 1 and"):
+        run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "hf-early-exit"], early_exit_layer=99,
+                              out=str(tmp_path / "x")), target, tok, draft)
     with pytest.raises(Exception, match="needs an EAGLE-3-style drafter"):
         run_bench(BenchConfig(prompts=str(prompts), methods=["ar", "eagle3"], out=str(tmp_path / "x")),
                   target, tok, draft)

@@ -99,6 +99,10 @@ class SpecBatch:
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
         block_pos = block_pos[:, :width]
+        if self.draft is not None:
+            # the last step's target features go into the draft cache now, in a plain step too (the next
+            # commit would otherwise replace them before any draft forward wrote them)
+            self.flush(anchor[:, 0])
         if width == 1:
             verify_ids = anchor
         elif self.ngram is not None:
@@ -110,12 +114,10 @@ class SpecBatch:
             verify_ids = torch.cat([anchor, torch.tensor(rows, dtype=torch.long, device=anchor.device)], 1)
             block_pos = block_pos[:, :q]
         elif self.eagle is not None:
-            self.flush(anchor[:, 0])
             proposal = self.eagle.chain(*self._chain_start, self.dcache, self.adapter.valid[:, :self.pointer],
                                         width - 1)
             verify_ids = torch.cat([anchor, proposal], 1)
         elif self.draft is not None:
-            self.flush()
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
                                           self.adapter.valid[:, :self.pointer])

@@ -44,6 +44,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
     ngram_tokens: int = 10  # proposals per step for ngram / hf-prompt-lookup
     assistant_model: str | None = None  # for hf-assisted
+    early_exit_layer: int | None = None  # for hf-early-exit; None: a quarter of the target's layers
     eagle_draft: str | None = None  # for eagle3
 
 
@@ -104,7 +105,7 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, 
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-METHODS = ("ar", "dflash", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted")
+METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit")
 
 
 @dataclass
@@ -141,14 +142,14 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     stops = default_stop_token_ids(target)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
 
-    def ours(gen_draft, block_size=None):
+    def ours(gen_draft, block_size=None, adaptive=False):
         def fn(ids, mask, seed):
             g = torch.Generator(device=device).manual_seed(seed)
             if gen_draft is None:
                 o = ar_generate(target, ids, mask, generator=g, return_stats=True, **kw)
             else:
                 o = spec_generate(target, gen_draft, ids, mask, block_size=block_size, generator=g,
-                                  return_stats=True, **kw)
+                                  return_stats=True, adaptive_width=adaptive, **kw)
             P = ids.shape[1]
             return Run([o.sequences[i, P:P + n].tolist() for i, n in enumerate(o.num_new_tokens)], o.total_time,
                        o.time_to_first_token, o.acceptance_lengths if gen_draft is not None else None, o.block_size)
@@ -173,11 +174,23 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
             return Run(rows, seconds, (streamer.first or t0 + seconds) - t0)
         return fn
 
-    table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size), "eagle3": lambda: ours(eagle),
+    table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
+             "dflash-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True), "eagle3": lambda: ours(eagle),
              "ngram": lambda: ours(NgramDraft(num_tokens=cfg.ngram_tokens)),
              "hf": lambda: hf(), "hf-prompt-lookup": lambda: hf(prompt_lookup_num_tokens=cfg.ngram_tokens),
-             "hf-assisted": lambda: hf(assistant_model=assistant)}
+             "hf-assisted": lambda: hf(assistant_model=assistant),
+             # transformers' self-speculation (LayerSkip): the target's first layers and its head draft; the
+             # assisted path that needs no second model, so it runs where no smaller same-tokenizer model exists
+             "hf-early-exit": lambda: hf(assistant_early_exit=early_exit_layer(cfg, target))}
     return {m: table[m]() for m in cfg.methods}
+
+
+def early_exit_layer(cfg: BenchConfig, target) -> int:
+    n = target.config.get_text_config().num_hidden_layers
+    layer = cfg.early_exit_layer if cfg.early_exit_layer is not None else max(1, n // 4)
+    if not 1 <= layer < n:
+        raise DFlashError(f"--early-exit-layer must be between 1 and {n - 1} (the target has {n} layers), got {layer}")
+    return layer
 
 
 def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
@@ -186,13 +199,13 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
         raise DFlashError(f"unknown method(s) {unknown} (known: {', '.join(METHODS)})")
     if cfg.methods[:1] != ["ar"]:
         raise DFlashError("--methods must start with ar: every method is checked against it and timed relative to it")
-    if "dflash" in cfg.methods and draft is None:
+    if {"dflash", "dflash-adaptive"} & set(cfg.methods) and draft is None:
         raise DFlashError("method dflash needs a draft: pass --draft DIR")
     if "eagle3" in cfg.methods and eagle is None:
         raise DFlashError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle-draft DIR")
     if "hf-assisted" in cfg.methods and assistant is None:
         raise DFlashError("method hf-assisted needs --assistant-model (a smaller model with the same tokenizer)")
-    if cfg.batch_size > 1 and {"hf-prompt-lookup", "hf-assisted"} & set(cfg.methods):
+    if cfg.batch_size > 1 and {"hf-prompt-lookup", "hf-assisted", "hf-early-exit"} & set(cfg.methods):
         raise DFlashError("transformers' assisted and prompt-lookup generation take one prompt at a time: "
                           "use --batch-size 1")
 

@@ -54,6 +54,9 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_int_at_least(2), default=None,
                    help="block size B = anchor + B-1 drafted tokens; None = the draft's own")
     p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--fixed-width", action="store_true",
+                   help="verify the whole block every step (default: only as many drafted tokens as the measured "
+                   "acceptance pays for, see dflash.adaptive)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -115,13 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
-    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, eagle3 "
+    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, dflash-adaptive (--fixed-width off), eagle3 "
                     "(the EAGLE-3-style chain drafter), ngram (prompt lookup through our loop), hf (transformers "
-                    "generate), hf-prompt-lookup, hf-assisted")
-    be.add_argument("--eagle-draft", default=None, help="the eagle3 drafter (from `dflash train --method eagle3`)")
+                    "generate), hf-prompt-lookup, hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
+    be.add_argument("--eagle-draft", default=None, help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
                     help="tokens proposed per step by ngram and hf-prompt-lookup")
     be.add_argument("--assistant-model", default=None, help="the assistant for hf-assisted (same tokenizer)")
+    be.add_argument("--early-exit-layer", type=_int_at_least(1), default=None,
+                    help="hf-early-exit drafts with the target's first N layers; None = a quarter of them")
     _runtime_option(be)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
@@ -159,6 +164,9 @@ def _serve_options(p) -> None:
                    help="prompt tokens prefilled per step while others decode")
     p.add_argument("--max-verify-tokens", type=_int_at_least(1), default=64,
                    help="tokens verified per step over the batch: blocks narrow as more sequences run")
+    p.add_argument("--fixed-width", action="store_true",
+                   help="verify the whole block every step (default: only as many drafted tokens as the measured "
+                   "acceptance pays for, see dflash.adaptive)")
     p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
@@ -295,7 +303,7 @@ class Session:
         stream = stream_generate(self.target, self.draft, self.encode(messages), block_size=a.block_size,
                                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                  top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator,
-                                 runtime=a.runtime)
+                                 runtime=a.runtime, adaptive_width=not a.fixed_width)
         text = TextStream(self.tokenizer)
         while True:
             try:
@@ -323,6 +331,8 @@ def resolve_draft(model, draft, target):
 def stats_line(result) -> str:
     n = sum(result.num_new_tokens)
     draft = f"τ={result.tau:.2f}, acceptance {result.acceptance_histogram}" if result.block_size > 1 else "no draft"
+    if result.width_counts:
+        draft += f", steps per verify width {result.width_counts[1:]}"
     return (f"[dflash] {n} new tokens in {result.total_time:.2f}s, {result.tokens_per_second:.1f} tok/s, "
             f"{draft}, steps={result.num_steps}, ttft={result.time_to_first_token * 1000:.0f} ms")
 
@@ -391,18 +401,20 @@ def cmd_bench(args) -> int:
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-    draft_path = draft = assistant = eagle = None
-    if "dflash" in methods:
+    draft_path = draft = assistant = eagle = eagle_path = None
+    if {"dflash", "dflash-adaptive"} & set(methods):
         draft_path = args.draft or shipped_draft(args.model)
         if draft_path is None:
             raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
         draft = load_draft(draft_path, target)
     if "eagle3" in methods:
-        if not args.eagle_draft:
-            raise DFlashError("method eagle3 needs --eagle-draft DIR (from `dflash train --method eagle3`)")
-        eagle = load_draft(args.eagle_draft, target)
+        eagle_path = args.eagle_draft or shipped_draft(args.model, "eagle3")
+        if eagle_path is None:
+            raise DFlashError(f"method eagle3 needs --eagle-draft DIR (from `dflash train --method eagle3`): none is "
+                              f"shipped for {args.model}")
+        eagle = load_draft(eagle_path, target, method="eagle3")
         if eagle.config.draft_method != "eagle3":
-            raise DFlashError(f"--eagle-draft {args.eagle_draft} is a {eagle.config.draft_method} draft, not eagle3")
+            raise DFlashError(f"--eagle-draft {eagle_path} is a {eagle.config.draft_method} draft, not eagle3")
     if args.assistant_model:
         assistant, _ = load_target(args.assistant_model, dtype=args.dtype, device=args.device, threads=args.threads)
     cfg = BenchConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], prompts=args.prompts,
@@ -410,7 +422,7 @@ def cmd_bench(args) -> int:
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
                       seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime,
                       methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model,
-                      eagle_draft=args.eagle_draft)
+                      eagle_draft=eagle_path and str(eagle_path), early_exit_layer=args.early_exit_layer)
     report = run_bench(cfg, target, tokenizer, draft, assistant=assistant, eagle=eagle)
     return 1 if report["real_mismatches"] else 0
 
@@ -422,7 +434,7 @@ def _engine(args):
     draft = None if args.no_draft else resolve_draft(args.model, args.draft, target)
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
                        max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime,
-                       max_verify_tokens=args.max_verify_tokens)
+                       max_verify_tokens=args.max_verify_tokens, adaptive_width=not args.fixed_width)
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

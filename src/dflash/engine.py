@@ -16,6 +16,7 @@ from enum import Enum
 
 import torch
 
+from .adaptive import WidthController
 from .batch import SpecBatch, prompt_positions
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
@@ -39,6 +40,9 @@ class EngineConfig:
     # tokens verified per step over the whole batch: with many sequences running, blocks narrow (down to plain
     # decoding) so that checking drafts that will mostly be rejected does not cost more than it gains
     max_verify_tokens: int = 64
+    # within that cap, verify only as many drafted tokens per row as the measured acceptance pays for (see
+    # dflash.adaptive); off, every step verifies whole blocks up to the cap
+    adaptive_width: bool = True
 
 
 class Status(Enum):
@@ -105,6 +109,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     aborted: bool = False  # set from any thread; the engine drops the sequence at its next step
+    # sampled with the client's seed: its draws must repeat, so the steps it is in keep a width that does not
+    # depend on timing
+    seeded: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -211,9 +218,10 @@ class ModelRunner:
     """The tensors: one SpecBatch holding every running row, one for the prompts being prefilled."""
 
     def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
-                 runtime: str = "auto", max_verify_tokens: int = 64):
+                 runtime: str = "auto", max_verify_tokens: int = 64, adaptive_width: bool = True):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
+        self.widths = WidthController(self.B) if adaptive_width and draft is not None else None
         self.max_capacity = max_model_len + self.B
         self.device = next(target.parameters()).device
         self.runtime = runtime
@@ -256,8 +264,12 @@ class ModelRunner:
     def decode(self) -> tuple[list[list[int]], list[int]]:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
         length (the cache keeps them all; a row that stops early is removed before the next step)."""
+        t0 = time.perf_counter()
         j = torch.arange(self.B, device=self.device)
         width = max(1, min(self.B, self.max_verify_tokens // len(self.rows)))
+        adaptive = self.widths is not None and not any(s.seeded for s in self.rows)
+        if adaptive:
+            width = self.widths.choose(len(self.rows), width)
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            lambda logits: _choose_per_row(logits, self.rows), width=width)
         n_keep = accepted + 1
@@ -265,6 +277,8 @@ class ModelRunner:
         self.anchor_pos = self.anchor_pos + n_keep
         n_list = n_keep.tolist()
         self.batch.commit(n_keep, max(n_list))
+        if adaptive:
+            self.widths.observe([n - 1 for n in n_list], width, len(n_list) * width, time.perf_counter() - t0)
         return [row[:n] for row, n in zip(choice.tolist(), n_list)], n_list
 
     def remove(self, seqs: list[Sequence]) -> None:
@@ -300,7 +314,8 @@ class LLMEngine:
         self.block_size = B
         self.stop_token_ids = default_stop_token_ids(target)
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens)
+        self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens,
+                                  config.adaptive_width)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device
@@ -332,6 +347,7 @@ class LLMEngine:
         seq = Sequence(list(prompt_ids), max_tokens, sampling or SamplingParams(), self.stop_token_ids,
                        TextStream(self.tokenizer, stop) if self.tokenizer is not None else None, generator,
                        on_update)
+        seq.seeded = generator is not None and seed is not None
         if max_tokens == 0:
             seq.status, seq.finish_reason = Status.FINISHED, "length"
             return seq

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import DFlashInputError
+from .adaptive import WidthController
 from .batch import SpecBatch, prompt_positions
+from .errors import DFlashInputError
 from .model import DFlashDraftModel
 from .ngram import NgramDraft
 from .sampling import SamplingParams, choose_tokens
@@ -33,6 +34,7 @@ class GenerationOutput:
     cache_growths: int = 0  # times the cache storage was enlarged (answers longer than it started for)
     time_to_first_token: float = 0.0
     total_time: float = 0.0
+    width_counts: list[int] | None = None  # adaptive width: steps verified at each width 0..B (index = width)
 
     @property
     def tau(self) -> float:
@@ -59,9 +61,10 @@ class GenerationOutput:
         return sum(self.num_new_tokens) / self.total_time if self.total_time > 0 else 0.0
 
     def summary(self) -> str:
+        widths = f", widths={self.width_counts[1:]}" if self.width_counts else ""
         return (f"{sum(self.num_new_tokens)} new tokens, {self.tokens_per_second:.1f} tok/s, τ={self.tau:.2f}, "
                 f"steps={self.num_steps}, ttft={self.time_to_first_token * 1000:.0f} ms, "
-                f"histogram={self.acceptance_histogram}")
+                f"histogram={self.acceptance_histogram}{widths}")
 
 
 def _sync(device: torch.device) -> None:
@@ -129,7 +132,8 @@ class _Generation:
     """State of one batched generation; `steps()` yields the tokens each step commits, row by row."""
 
     def __init__(self, target, draft: DFlashDraftModel | None, input_ids, attention_mask, *, block_size,
-                 max_new_tokens, sampling: SamplingParams, stop_token_ids, generator, runtime="auto"):
+                 max_new_tokens, sampling: SamplingParams, stop_token_ids, generator, runtime="auto",
+                 adaptive_width: bool = False):
         self.target, self.draft = target, draft
         self.input_ids, self.mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens)
         self.device = self.input_ids.device
@@ -147,6 +151,10 @@ class _Generation:
         self.n_gen = torch.zeros(b, dtype=torch.long, device=self.device)
         self.acceptance: list[int] = []
         self.num_steps = 0
+        # an n-gram draft already sizes its blocks by what it found; a seeded sampling run keeps whole blocks,
+        # so that its draws do not depend on timing and repeat
+        self.widths = WidthController(self.B) if adaptive_width and draft is not None and \
+            not isinstance(draft, NgramDraft) and (sampling.greedy or generator is None) else None
         self.ttft = 0.0
         self.total = 0.0
 
@@ -205,9 +213,11 @@ class _Generation:
             histories = None
             if batch.ngram is not None:
                 histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live.tolist(), n_gen.tolist())]
+            t_step = time.perf_counter()
+            width = self.widths.choose(len(live)) if self.widths is not None else None
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
-                                          histories)
+                                          histories, width)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -215,6 +225,8 @@ class _Generation:
                                     + [(accepted + 1)[active].tolist()])
             # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
             batch.commit(n_take, advance)
+            if self.widths is not None:
+                self.widths.observe([a - 1 for a in acc], width, len(live) * width, time.perf_counter() - t_step)
             self.acceptance += acc
             self.num_steps += 1
             step = [[] for _ in range(b)]
@@ -232,7 +244,8 @@ class _Generation:
                                 acceptance_lengths=self.acceptance, num_steps=self.num_steps,
                                 compactions=self.batch.compactions if self.max_new else 0,
                                 cache_growths=self.batch.growths if self.max_new else 0,
-                                time_to_first_token=self.ttft, total_time=self.total)
+                                time_to_first_token=self.ttft, total_time=self.total,
+                                width_counts=self.widths.width_counts if self.widths is not None else None)
 
 
 def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tokens) -> int:
@@ -250,10 +263,13 @@ def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tok
 def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention_mask=None, *, block_size=None,
                     num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
-                    generator: torch.Generator | None = None, runtime: str = "auto") -> Iterator[list[list[int]]]:
+                    generator: torch.Generator | None = None, runtime: str = "auto",
+                    adaptive_width: bool = False) -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
     token ids each row committed in that step. The generator's return value is the GenerationOutput.
-    runtime: 'auto' | 'fast' | 'hf', the target's forward (see dflash.fast)."""
+    runtime: 'auto' | 'fast' | 'hf', the target's forward (see dflash.fast). adaptive_width: verify each
+    step only as many drafted tokens as pay for their cost (see dflash.adaptive); off, every step verifies
+    the whole block."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
@@ -261,7 +277,8 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
             draft.bind(target)  # checks that the draft fits this target
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                    stop_token_ids=stop_token_ids, generator=generator, runtime=runtime)
+                    stop_token_ids=stop_token_ids, generator=generator, runtime=runtime,
+                    adaptive_width=adaptive_width)
     yield from g.steps()
     return g.result()
 
@@ -279,7 +296,7 @@ def run(stream) -> GenerationOutput:
 def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=None, *, block_size=None,
                   num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
-                  return_stats: bool = False, runtime: str = "auto"):
+                  return_stats: bool = False, runtime: str = "auto", adaptive_width: bool = False):
     """DFlash speculative generation.
 
     `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
@@ -291,7 +308,7 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
     out = run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
                                num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                               generator=generator, runtime=runtime))
+                               generator=generator, runtime=runtime, adaptive_width=adaptive_width))
     return out if return_stats else out.sequences
 
 

@@ -240,21 +240,24 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
     return model, tokenizer
 
 
-def shipped_draft(model_name: str | os.PathLike) -> Path | None:
-    """The draft this package ships for a built-in model, if there is one."""
-    path = SHIPPED_DRAFTS_DIR / os.fspath(model_name).lower()
+def shipped_draft(model_name: str | os.PathLike, method: str = "dflash") -> Path | None:
+    """The draft this package ships for a built-in model, if there is one: the DFlash draft, or the peer drafter
+    of another method (method="eagle3") shipped so that the bench comparison can be rerun."""
+    name = os.fspath(model_name).lower()
+    path = SHIPPED_DRAFTS_DIR / (name if method == "dflash" else f"{name}-{method}")
     return path if (path / "model.safetensors").is_file() else None
 
 
-def load_draft(path_or_alias: str | os.PathLike, target, *, device=None, dtype=None):
-    """Loads a draft (folder, hub id, or a built-in model alias for its shipped draft) and checks it fits."""
+def load_draft(path_or_alias: str | os.PathLike, target, *, device=None, dtype=None, method: str = "dflash"):
+    """Loads a draft (folder, hub id, or a built-in model alias for its shipped draft of `method`) and checks it
+    fits."""
     from .model import DFlashDraftModel
 
     name = os.fspath(path_or_alias)
     if name.lower() in ALIASES:
-        found = shipped_draft(name)
+        found = shipped_draft(name, method)
         if found is None:
-            raise DFlashLoadError(f"no draft is shipped for {name!r} yet; pass a draft folder")
+            raise DFlashLoadError(f"no {method} draft is shipped for {name!r} yet; pass a draft folder")
         location = str(found)
     elif Path(name).expanduser().exists():
         location = str(Path(name).expanduser())

@@ -389,6 +389,12 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         draft = DFlashDraftModel.from_pretrained(resume_from, target=target, dtype=torch.float32)
     elif cfg.init_draft:
         draft = load_draft(cfg.init_draft, target, dtype=torch.float32)
+        if draft.config.block_size != cfg.block_size:
+            # B is no weight shape, so a draft can be fine-tuned to a new block size (e.g. shorter blocks for a
+            # weak draft, whose far slots are rarely accepted)
+            print(f"dflash train: {cfg.init_draft} has block size {draft.config.block_size}; training with "
+                  f"{cfg.block_size}", file=sys.stderr)
+            draft.config.block_size = cfg.block_size
     elif cfg.method == "eagle3":
         torch.manual_seed(cfg.seed)
         draft = Eagle3DraftModel.from_target(target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,

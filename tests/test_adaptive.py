@@ -1,0 +1,161 @@
+"""Adaptive verify width: the choice follows measured acceptance and cost, and any width stays exact."""
+
+import random
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash.adaptive import WidthController
+from oracle import OracleDraft
+from tiny import ragged_batch, tiny_target
+
+
+def feed(ctrl, rows, accept, seconds, steps=40, cap=None):
+    """Runs the controller's loop against a synthetic draft (accept(width) -> accepted drafts per row) and a
+    synthetic step cost (seconds(tokens)); returns the widths it chose."""
+    chosen = []
+    for _ in range(steps):
+        w = ctrl.choose(rows, cap)
+        chosen.append(w)
+        ctrl.observe([accept(w) for _ in range(rows)], w, rows * w, seconds(rows * w))
+    return chosen
+
+
+def test_a_draft_that_is_always_right_gets_whole_blocks():
+    ctrl = WidthController(8)
+    chosen = feed(ctrl, 1, lambda w: w - 1, lambda t: 0.040 + 0.001 * t)
+    assert chosen[-20:] == [8] * 20
+    assert ctrl.expected_tokens()[-1] > 6  # near 8, held back a little by the prior
+
+
+def test_a_draft_that_is_never_right_falls_back_to_plain_steps_and_probes():
+    ctrl = WidthController(8, probe_every=16)
+    chosen = feed(ctrl, 4, lambda w: 0, lambda t: 0.040 + 0.002 * t, steps=64)
+    late = chosen[20:]
+    assert late.count(1) >= len(late) - len(late) // 16 - 1  # plain decoding steps...
+    assert 8 in late  # ...and now and then the whole block, to see whether the draft got better
+
+
+def test_a_middling_draft_under_load_gets_a_middle_width_within_the_cap():
+    # slot k accepted with chance 0.8 after a hit: worth a few tokens, not sixteen, when 8 rows share a step
+    rng = random.Random(0)
+
+    def accept(w):
+        a = 0
+        while a < w - 1 and rng.random() < 0.8:
+            a += 1
+        return a
+
+    ctrl = WidthController(16)
+    chosen = feed(ctrl, 8, accept, lambda t: 0.040 + 0.004 * t, steps=200, cap=6)
+    typical = max(set(chosen[100:]), key=chosen[100:].count)
+    assert 2 <= typical < 6 and max(chosen) <= 6
+    # a free verify (a GPU far from its compute limit) makes the widest block the best
+    ctrl = WidthController(16)
+    assert feed(ctrl, 8, accept, lambda t: 0.040, steps=100)[-10:].count(16) >= 9
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_any_width_sequence_reproduces_greedy_decoding(arch, monkeypatch):
+    """Widths picked at random every step (1 = a plain step) change nothing in the output, with drafts that
+    are random or right 80% of the time, over a ragged batch."""
+    target = tiny_target(arch, seed=1)
+    ids, mask = ragged_batch([3, 11, 6, 9], seed=4)
+    ar = ar_generate(target, ids, mask, max_new_tokens=24, stop_token_ids=[])
+    rng = random.Random(0)
+
+    def any_width(self, rows, cap=None):
+        w = 1 if sum(self.width_counts) % 5 == 0 else rng.randint(2, self.B)  # plain steps in between
+        self.width_counts[w] += 1
+        return w
+
+    monkeypatch.setattr(WidthController, "choose", any_width)
+    futures = [ids[i][mask[i].bool()].tolist() + ar[i, ids.shape[1]:].tolist() for i in range(4)]
+    for B in (4, 8):
+        base = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
+        for draft in (base, OracleDraft(base, futures, corrupt=0.2, seed=B)):
+            out = spec_generate(target, draft, ids, mask, max_new_tokens=24, stop_token_ids=[], return_stats=True,
+                                adaptive_width=True)
+            assert torch.equal(out.sequences, ar), (arch, B)
+            assert sum(out.width_counts) == out.num_steps and out.width_counts[1] > 0
+
+
+def test_adaptive_generation_measures_and_chooses():
+    """Unpatched: the controller sees every step and the output is still exact."""
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([5, 8], seed=2)
+    ar = ar_generate(target, ids, mask, max_new_tokens=32, stop_token_ids=[])
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=8)
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=32, stop_token_ids=[], return_stats=True,
+                        adaptive_width=True)
+    assert torch.equal(out.sequences, ar)
+    assert sum(out.width_counts) == out.num_steps and len(out.width_counts) == 9
+    fixed = spec_generate(target, draft, ids, mask, max_new_tokens=32, stop_token_ids=[], return_stats=True)
+    assert fixed.width_counts is None
+
+
+def test_engine_adapts_its_widths_except_around_seeded_samples():
+    from dflash.engine import EngineConfig, LLMEngine
+    from dflash.sampling import SamplingParams
+
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    ids, mask = ragged_batch([4, 9, 6], seed=5)
+    ar = ar_generate(target, ids, mask, max_new_tokens=16, stop_token_ids=[])
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=4))
+    engine.stop_token_ids = []
+    seqs = [engine.add_request(ids[i][mask[i].bool()].tolist(), max_tokens=16) for i in range(3)]
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == [ar[i, ids.shape[1]:].tolist() for i in range(3)]
+    assert engine.runner.widths.steps > 0
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=4))
+    engine.add_request([5, 6, 7], max_tokens=8, sampling=SamplingParams(temperature=1.0), seed=1)
+    engine.add_request([5, 6, 7], max_tokens=8)
+    while engine.has_work():
+        engine.step()
+    assert engine.runner.widths.steps == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_plain_steps_keep_the_draft_context_whole(arch, monkeypatch):
+    """After any mix of plain (width 1) and wider steps, every proposal equals the draft's proposal from a
+    context written afresh from the committed text: no target features are lost in a plain step."""
+    from dflash.model import DraftKVCache
+    from dflash.train import target_features
+
+    target = tiny_target(arch, seed=1)
+    ids, mask = ragged_batch([4, 10], seed=6)
+    ar = ar_generate(target, ids, mask, max_new_tokens=24, stop_token_ids=[])
+    texts = [ids[i][mask[i].bool()].tolist() + ar[i, ids.shape[1]:].tolist() for i in range(2)]
+    base = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 2])
+    checked = []
+
+    class Checked(DFlashDraftModel):
+        def propose(self, block_ids, block_pos, cache, ctx_valid):
+            got = super().propose(block_ids, block_pos, cache, ctx_valid)
+            for r in range(block_ids.shape[0]):
+                a = int(block_pos[r, 0])  # the anchor's position: the context is the committed text before it
+                text = torch.tensor(texts[r][:a])
+                fresh = DraftKVCache(self.config, 1, a + 8, "cpu", torch.float32)
+                fresh.positions[0, :a] = torch.arange(a)
+                self.write_context(target_features(target, [0, 2], text)[None], fresh, 0)
+                ref = super().propose(block_ids[r:r + 1], block_pos[r:r + 1], fresh, torch.ones(1, a, dtype=torch.bool))
+                checked.append(torch.equal(got[r], ref[0]))
+            return got
+
+    draft = Checked(base.config)
+    draft.load_state_dict(base.state_dict())
+    draft._target_modules = base._target_modules
+    widths = iter([4, 1, 1, 4, 1, 3, 1, 1, 1, 4] * 10)
+
+    def scripted(self, rows, cap=None):
+        w = next(widths)
+        self.width_counts[w] += 1
+        return w
+
+    monkeypatch.setattr(WidthController, "choose", scripted)
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=24, stop_token_ids=[], adaptive_width=True)
+    assert torch.equal(out, ar)
+    assert len(checked) > 6 and all(checked)
