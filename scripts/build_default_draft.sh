@@ -42,7 +42,7 @@ FINAL="$WORK/train-b$BLOCK/final"
 
 # 3. the speed-up, measured side by side with plain decoding
 mkdir -p "$WORK/bench"
-dflash bench --model "$MODEL" --draft "$FINAL" --num-prompts 20 --max-new-tokens 256 \
+dflash bench --model "$MODEL" --draft "$FINAL" --methods ar,dflash,dflash-adaptive --num-prompts 20 --max-new-tokens 256 \
     --threads "$THREADS" --out "$WORK/bench" | tee "$WORK/bench/table.txt"
 
 # 4. ship it: weights, config, and a model card generated from the run's own records

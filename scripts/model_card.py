@@ -56,7 +56,9 @@ def main():
             r = json.loads(line)
             n_samples += 1
             n_tokens += sum(r["loss_mask"])
-    table = (Path(args.bench) / "table.txt").read_text().strip()
+    # the table without the final JSON line (results.json holds the same numbers)
+    table = "\n".join(line for line in (Path(args.bench) / "table.txt").read_text().strip().splitlines()
+                      if not line.startswith("{"))
     final = Path(args.train[-1].partition(":")[0]) / "final" / "config.json"
     draft_cfg = json.loads(final.read_text())
     lines = [
@@ -79,8 +81,8 @@ def main():
     ]
     for i, s in enumerate(stages):
         c = s["cfg"]
-        start = "a fresh draft" + (" (layers copied from the target's last ones)" if c.get("init_from_target") else "") \
-            if i == 0 else "the previous stage"
+        copied = " (layers copied from the target's last ones)" if c.get("init_from_target") else ""
+        start = f"a fresh draft{copied}" if i == 0 else "the previous stage"
         lines.append(
             f"- Stage {i + 1}, from {start}: block size {c['block_size']}, gamma {c['gamma']:.2f}, "
             f"{c['num_anchors']} anchors per sequence, lr {c['lr']} (cosine over {c['epochs']} epoch(s) of "

@@ -42,10 +42,12 @@ def test_generate_streams_text_and_prints_stats(tiny_gguf, setup):
     assert spec.stdout.strip(), "no text on stdout"
     stats = [line for line in spec.stderr.splitlines() if line.startswith("[dflash]")]
     assert len(stats) == 1 and "tok/s" in stats[0] and "τ=" in stats[0] and "ttft=" in stats[0]
-    assert "acceptance [" in stats[0]
+    assert "acceptance [" in stats[0] and "steps per verify width [" in stats[0]  # adaptive by default
     plain = run("generate", "hello the", *common(tiny_gguf), "--no-draft", env_home=home)
     assert plain.returncode == 0 and "no draft" in plain.stderr
     assert plain.stdout == spec.stdout  # greedy: the draft changes the speed, never the text
+    fixed = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--fixed-width", env_home=home)
+    assert fixed.returncode == 0 and "verify width" not in fixed.stderr and fixed.stdout == spec.stdout
 
 
 def test_sampling_options_and_seed(tiny_gguf, setup):

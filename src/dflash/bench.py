@@ -105,7 +105,8 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, 
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit")
+METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted",
+           "hf-early-exit")
 
 
 @dataclass

@@ -41,6 +41,12 @@ def _float_in(lo, hi, lo_open=False):
     return parse
 
 
+def _width_option(p) -> None:
+    p.add_argument("--fixed-width", action="store_true",
+                   help="verify the whole block every step (default: only as many drafted tokens as the measured "
+                   "acceptance pays for, see dflash.adaptive)")
+
+
 def _model_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in alias, HF model folder, .gguf file or hub id")
@@ -54,9 +60,7 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_int_at_least(2), default=None,
                    help="block size B = anchor + B-1 drafted tokens; None = the draft's own")
     p.add_argument("--system", default=None, help="system message for the chat template")
-    p.add_argument("--fixed-width", action="store_true",
-                   help="verify the whole block every step (default: only as many drafted tokens as the measured "
-                   "acceptance pays for, see dflash.adaptive)")
+    _width_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -118,10 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
-    be.add_argument("--methods", default="ar,dflash", help="comma-separated, starting with ar: ar, dflash, dflash-adaptive (--fixed-width off), eagle3 "
-                    "(the EAGLE-3-style chain drafter), ngram (prompt lookup through our loop), hf (transformers "
-                    "generate), hf-prompt-lookup, hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
-    be.add_argument("--eagle-draft", default=None, help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
+    be.add_argument("--methods", default="ar,dflash",
+                    help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
+                    "width), eagle3 (the EAGLE-3-style chain drafter), ngram (prompt lookup through our loop), hf "
+                    "(transformers generate), hf-prompt-lookup, hf-assisted, hf-early-exit (transformers' "
+                    "LayerSkip self-speculation)")
+    be.add_argument("--eagle-draft", default=None,
+                    help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
                     help="tokens proposed per step by ngram and hf-prompt-lookup")
     be.add_argument("--assistant-model", default=None, help="the assistant for hf-assisted (same tokenizer)")
@@ -164,9 +171,7 @@ def _serve_options(p) -> None:
                    help="prompt tokens prefilled per step while others decode")
     p.add_argument("--max-verify-tokens", type=_int_at_least(1), default=64,
                    help="tokens verified per step over the batch: blocks narrow as more sequences run")
-    p.add_argument("--fixed-width", action="store_true",
-                   help="verify the whole block every step (default: only as many drafted tokens as the measured "
-                   "acceptance pays for, see dflash.adaptive)")
+    _width_option(p)
     p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
