@@ -11,7 +11,8 @@ step, the width with the most expected committed tokens per second, from what it
 - cost: the step's wall time as a + b x (tokens verified), fitted over recent steps.
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
-much worse than decoding without a draft. Every width keeps the output exact: the verify rule does not
+much worse than decoding without a draft. While the choice is narrow, a whole block is verified now and then
+to keep measuring the far slots, less and less often while those probes change nothing. Every width keeps the output exact: the verify rule does not
 depend on how many proposals are checked.
 """
 
@@ -22,10 +23,13 @@ import torch
 
 class WidthController:
     def __init__(self, block_size: int, *, prior_rate: float = 0.5, prior_weight: float = 4.0,
-                 decay: float = 0.98, probe_every: int = 16):
+                 decay: float = 0.98, probe_every: int = 16, max_probe_every: int = 256):
         self.B = block_size
         self.prior_rate, self.prior_weight, self.decay = prior_rate, prior_weight, decay
-        self.probe_every = probe_every
+        self.probe_every = self.base_probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.since_probe = 0
+        self.probed = False
         self.reached = torch.zeros(block_size, dtype=torch.float64)  # [B] index k: slot k verified after 1..k-1 hit
         self.hit = torch.zeros(block_size, dtype=torch.float64)
         self.cost: dict[int, list[float]] = {}  # tokens verified -> [EMA seconds, weight]
@@ -84,8 +88,17 @@ class WidthController:
             widths = torch.arange(1, cap + 1, dtype=torch.float64)
             rate = rows * self.expected_tokens()[:cap] / (a + b * rows * widths)
             w = int(rate.argmax()) + 1
-            if w < cap and self.steps % self.probe_every == 0:
+            if w == cap:
+                self.probe_every = self.base_probe_every
+            elif self.probed:
+                # a probe that left the choice narrow is worth less often: its wide step costs the most when
+                # many rows share it
+                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
+            self.probed = False
+            self.since_probe += 1
+            if w < cap and self.since_probe >= self.probe_every:
                 w = cap  # now and then verify the whole block, so the far slots' rates stay measured
+                self.since_probe, self.probed = 0, True
         self.last = w
         self.width_counts[w] += 1
         return w
