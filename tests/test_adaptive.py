@@ -113,13 +113,13 @@ def test_engine_adapts_its_widths_except_around_seeded_samples():
     while engine.has_work():
         engine.step()
     assert [s.output_ids for s in seqs] == [ar[i, ids.shape[1]:].tolist() for i in range(3)]
-    assert engine.runner.widths.steps > 0
+    assert sum(engine.runner.widths.width_counts) > 0
     engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=4))
     engine.add_request([5, 6, 7], max_tokens=8, sampling=SamplingParams(temperature=1.0), seed=1)
     engine.add_request([5, 6, 7], max_tokens=8)
     while engine.has_work():
         engine.step()
-    assert engine.runner.widths.steps == 0
+    assert sum(engine.runner.widths.width_counts) == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -12,8 +12,8 @@ step, the width with the most expected committed tokens per second, from what it
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
 much worse than decoding without a draft. While the choice is narrow, a whole block is verified now and then
-to keep measuring the far slots, less and less often while those probes change nothing. Every width keeps the output exact: the verify rule does not
-depend on how many proposals are checked.
+to keep measuring the far slots, less and less often while those probes change nothing. Every width keeps the
+output exact: the verify rule does not depend on how many proposals are checked.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class WidthController:
         self.reached = torch.zeros(block_size, dtype=torch.float64)  # [B] index k: slot k verified after 1..k-1 hit
         self.hit = torch.zeros(block_size, dtype=torch.float64)
         self.cost: dict[int, list[float]] = {}  # tokens verified -> [EMA seconds, weight]
-        self.steps = 0
         self.last = None
         self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
 
@@ -42,9 +41,11 @@ class WidthController:
         """One step: accepted drafts per row (0..width-1), its width, the tokens it verified, its seconds."""
         self.reached *= self.decay
         self.hit *= self.decay
-        for a in accepted:
-            self.reached[1:min(a + 1, width - 1) + 1] += 1  # slots up to the first miss, when verified
-            self.hit[1:a + 1] += 1
+        a = torch.tensor(accepted, dtype=torch.float64)[:, None]
+        k = torch.arange(self.B, dtype=torch.float64)
+        # slot k was verified when slots 1..k-1 were accepted and k < width; it was accepted when a >= k
+        self.reached += ((a >= k - 1) & (k >= 1) & (k < width)).sum(0)
+        self.hit += ((a >= k) & (k >= 1)).sum(0)
         for entry in self.cost.values():
             entry[1] *= self.decay
         entry = self.cost.setdefault(tokens, [seconds, 0.0])
@@ -78,7 +79,6 @@ class WidthController:
     def choose(self, rows: int, max_width: int | None = None) -> int:
         """The width (1..max_width) for the next step of `rows` rows."""
         cap = self.B if max_width is None else max(1, min(max_width, self.B))
-        self.steps += 1
         fit = self.step_seconds()
         if fit is None:
             # two token counts are needed to price width: start wide, then measure one plain step
