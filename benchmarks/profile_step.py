@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--data", default=None, help="regenerated dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
-    ap.add_argument("--runtime", default="auto", choices=["auto", "fast", "fast-int8", "hf"], help="target forward")
+    ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
     args = ap.parse_args()
     target, tok = load_target(args.model, threads=args.threads)
     draft = load_draft(args.draft, target)

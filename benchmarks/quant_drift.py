@@ -1,8 +1,8 @@
-"""How far weight-only int8 (`--runtime fast-int8`) moves the model: greedy answers to GSM8K test questions from
-the int8 target next to the same target in the fast bf16 runtime.
+"""How far weight-only quantisation (`--runtime fast-int8`, `fast-int4`) moves the model: greedy answers to
+GSM8K test questions from each quantised target next to the same target in the fast bf16 runtime.
 
-Quantisation changes the target, so DFlash on int8 is lossless against int8's own decoding, not bf16's; this
-reports what that costs. It counts how many outputs are identical, the median token where they part, how
+Quantisation changes the target, so DFlash on int8/int4 is lossless against that target's own decoding, not
+bf16's; this reports what that costs. It counts how many outputs are identical, the median token where they part, how
 often the final numbers agree, and each runtime's accuracy against the reference answers. Prints a table and
 ends with one JSON line.
 
@@ -76,29 +76,33 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--dtype", default="bfloat16", help="dtype of the unquantised weights")
     ap.add_argument("--data-dir", default=None, help="None = $DFLASH_DATA_DIR")
+    ap.add_argument("--quantized", default="fast-int8,fast-int4", help="quantised runtimes to compare with fast")
     args = ap.parse_args()
     torch.manual_seed(0)
     prompts = read_prompts(["gsm8k:test"], args.data_dir)[:args.num_prompts]
     gold = [final_number(p.meta.get("answer", "")) for p in prompts]
-    runs = {rt: answers(args.model, rt, prompts, args) for rt in ("fast", "fast-int8")}
-    (base_tok, base_txt, base_speed), (q_tok, q_txt, q_speed) = runs["fast"], runs["fast-int8"]
+    runtimes = ["fast"] + args.quantized.split(",")
+    runs = {rt: answers(args.model, rt, prompts, args) for rt in runtimes}
     n = len(prompts)
-    parted = [first_difference(a, b) for a, b in zip(base_tok, q_tok)]
-    base_ans, q_ans = [final_number(t) for t in base_txt], [final_number(t) for t in q_txt]
-    summary = {
-        "model": args.model, "prompts": n, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-        "identical_outputs": sum(p is None for p in parted),
-        "median_first_difference": statistics.median([p for p in parted if p is not None] or [None]),
-        "answers_agree": sum(a == b for a, b in zip(base_ans, q_ans)),
-        "accuracy": {"fast": sum(a is not None and a == g for a, g in zip(base_ans, gold)) / n,
-                     "fast-int8": sum(a is not None and a == g for a, g in zip(q_ans, gold)) / n},
-        "tokens_per_s": {"fast": round(base_speed, 1), "fast-int8": round(q_speed, 1)},
-    }
-    print(f"{'runtime':<10} {'tok/s (batch ' + str(args.batch_size) + ')':>18} {'GSM8K accuracy':>15}")
-    for rt in ("fast", "fast-int8"):
-        print(f"{rt:<10} {summary['tokens_per_s'][rt]:>18.1f} {summary['accuracy'][rt]:>15.3f}")
-    print(f"identical outputs {summary['identical_outputs']}/{n}, final answers agree {summary['answers_agree']}/{n}, "
-          f"outputs part at token {summary['median_first_difference']} (median)")
+    base_tok, base_txt, _ = runs["fast"]
+    base_ans = [final_number(t) for t in base_txt]
+    summary = {"model": args.model, "prompts": n, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+               "batch_size": args.batch_size, "runtimes": {}}
+    for rt, (toks, txts, speed) in runs.items():
+        parted = [first_difference(a, b) for a, b in zip(base_tok, toks)]
+        ans = [final_number(t) for t in txts]
+        summary["runtimes"][rt] = {
+            "tokens_per_s": round(speed, 1),
+            "accuracy": sum(a is not None and a == g for a, g in zip(ans, gold)) / n,
+            "identical_outputs": sum(p is None for p in parted),
+            "answers_agree": sum(a == b for a, b in zip(base_ans, ans)),
+            "median_first_difference": statistics.median([p for p in parted if p is not None] or [None]),
+        }
+    print(f"{'runtime':<10} {'tok/s (batch ' + str(args.batch_size) + ')':>18} {'GSM8K accuracy':>15} "
+          f"{'same output':>12} {'same answer':>12} {'parts at (median)':>18}")
+    for rt, r in summary["runtimes"].items():
+        print(f"{rt:<10} {r['tokens_per_s']:>18.1f} {r['accuracy']:>15.3f} {r['identical_outputs']:>8}/{n:<3} "
+              f"{r['answers_agree']:>8}/{n:<3} {str(r['median_first_difference']):>18}")
     print(json.dumps(summary))
 
 

@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer")
     ap.add_argument("--threads", type=int, default=2, help="threads for both")
     ap.add_argument("--data-dir", default=None, help="None = $DFLASH_DATA_DIR")
+    ap.add_argument("--runtimes", default="fast,fast-int4",
+                    help="our runtimes to run (fast = bf16; fast-int4 = the Q4_1 grid, close to what llama.cpp runs)")
     args = ap.parse_args()
 
     gguf = str(alias_gguf(args.model)) if not args.model.endswith(".gguf") else args.model
@@ -42,9 +44,14 @@ def main():
     draft_path = args.draft or shipped_draft(args.model)
     draft = load_draft(draft_path, target) if draft_path else None
     n = args.max_new_tokens
-    methods = {"ours ar (bf16)": lambda ids: ar_generate(target, torch.tensor([ids]), max_new_tokens=n)}
-    if draft is not None:
-        methods["ours dflash (bf16)"] = lambda ids: spec_generate(target, draft, torch.tensor([ids]), max_new_tokens=n)
+    methods = {}
+    for rt in args.runtimes.split(","):
+        kw = dict(max_new_tokens=n, runtime=rt)
+        methods[f"ours ar {rt}"] = lambda ids, kw=kw: ar_generate(target, torch.tensor([ids]), **kw)
+        if draft is not None:
+            methods[f"ours dflash {rt}"] = lambda ids, kw=kw: spec_generate(target, draft, torch.tensor([ids]), **kw)
+            methods[f"ours dflash-adaptive {rt}"] = lambda ids, kw=kw: spec_generate(
+                target, draft, torch.tensor([ids]), adaptive_width=True, **kw)
     try:
         from llama_cpp import Llama
 
@@ -62,7 +69,7 @@ def main():
     with torch.inference_mode():
         for fn in methods.values():  # warm-up
             fn(encoded[0])
-        rates = {m: [] for m in methods}
+        rates, counts = {m: [] for m in methods}, {m: [] for m in methods}
         names = list(methods)
         for i, ids in enumerate(encoded):
             for m in names[i % len(names):] + names[:i % len(names)]:
@@ -74,12 +81,14 @@ def main():
                 else:
                     count = out.shape[1] - len(ids)
                 rates[m].append(count / seconds)
+                counts[m].append(count)
     med = {m: statistics.median(r) for m, r in rates.items()}
-    print(f"{'method':24s} {'median tok/s':>12s}  per prompt ({len(encoded)} prompts, {args.threads} threads)")
+    print(f"{'method':30s} {'median tok/s':>12s}  per prompt ({len(encoded)} prompts, {args.threads} threads)")
     for m, r in rates.items():
-        print(f"{m:24s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
+        print(f"{m:30s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
     print(json.dumps({"model": gguf, "draft": str(draft_path), "threads": args.threads, "max_new_tokens": n,
-                      "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()}}))
+                      "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+                      "new_tokens": counts}))
 
 
 if __name__ == "__main__":

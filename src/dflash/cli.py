@@ -71,10 +71,12 @@ def _model_options() -> argparse.ArgumentParser:
 
 
 def _runtime_option(p) -> None:
-    p.add_argument("--runtime", choices=["auto", "fast", "fast-int8", "hf"], default="auto",
-                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 = the same "
-                   "with weight-only int8 linear layers (a quantised target), hf = the model's own; "
-                   "auto = fast where supported")
+    from .fast import RUNTIMES
+
+    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
+                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 / fast-int4 = "
+                   "the same with weight-only int8 / 4-bit (groups of 32, like GGUF Q4_1) linear layers (a quantised "
+                   "target), hf = the model's own; auto = fast where supported")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .kernels import Linear
 from .model import DFlashDraftModel, DFlashMLP, DraftKVCache, RMSNorm, apply_rope, head_loss
 
 STEP_DECAY = 0.8  # loss weight of unroll step i is STEP_DECAY**i
@@ -31,10 +32,10 @@ class Eagle3Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         bias = config.attention_bias
-        self.q_proj = nn.Linear(2 * h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(2 * h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(2 * h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
 
     def _heads(self, proj, u, n_heads):
         b, n, _ = u.shape

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
 from .errors import DFlashConfigError
+from .kernels import Linear, linear
 from .target import join_rows
 
 
@@ -91,10 +92,10 @@ class DFlashAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == SLIDING_ATTENTION else None
@@ -145,9 +146,9 @@ def layer_masks(config, visible, q_pos, k_pos) -> list[torch.Tensor]:
 class DFlashMLP(nn.Module):
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -169,7 +170,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(config.num_context_features * h, h, bias=False)
+        self.fc = Linear(config.num_context_features * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -370,7 +371,8 @@ class DFlashDraftModel(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        head = self.lm_head
+        return linear(hidden.to(head.weight.dtype), head.weight, getattr(head, "bias", None))
 
     def set_draft_vocab(self, token_ids) -> None:
         """Restricts proposals to `token_ids` (None: the whole vocabulary). On a CPU the LM head over 15 mask
@@ -403,7 +405,7 @@ class DFlashDraftModel(nn.Module):
         if self.draft_vocab is None:
             return self.logits(hidden).argmax(-1).view(b, n)
         weight, bias, rows = self._draft_head()
-        return rows[F.linear(hidden.to(weight.dtype), weight, bias).argmax(-1)].view(b, n)
+        return rows[linear(hidden.to(weight.dtype), weight, bias).argmax(-1)].view(b, n)
 
 
 def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):

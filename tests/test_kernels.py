@@ -1,0 +1,88 @@
+"""The prepacked oneDNN linear: bitwise what F.linear gives, refreshed when the weight changes, and out of the
+way of training (grad enabled) and of fp32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash import kernels
+from dflash.kernels import Linear, linear
+
+needs_onednn = pytest.mark.skipif(not kernels._ONEDNN, reason="PyTorch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48), (64, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bitwise_f_linear_in_bf16(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 48, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16() if bias else None
+    x = torch.randn(*shape, generator=g).bfloat16()
+    with torch.inference_mode():
+        out = linear(x, w, b)
+        assert w in kernels._packed  # it took the packed path
+        assert torch.equal(out, F.linear(x, w, b))
+        strided = torch.randn(shape[-1], *shape[:-1], generator=g).bfloat16().movedim(0, -1)
+        # (F.linear itself rounds differently for a strided 3-D input with bias: it adds the bias after the
+        # product is rounded to bf16; the packed path matches its contiguous, fused-bias result)
+        assert torch.equal(linear(strided, w, b), F.linear(strided.contiguous(), w, b))
+
+
+@needs_onednn
+def test_packed_weight_follows_in_place_updates_and_replacement():
+    layer = Linear(32, 16).bfloat16()
+    x = torch.randn(3, 32).bfloat16()
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2)  # an optimizer step: same storage, new version
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert not torch.equal(layer(x), before)
+        layer.weight.data = torch.randn(16, 32).bfloat16()  # new storage
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_packs_weights_made_under_inference_mode():
+    with torch.inference_mode():
+        w = torch.cat([torch.randn(8, 32), torch.randn(8, 32)]).bfloat16()  # e.g. a fused q/k/v weight
+        x = torch.randn(2, 32).bfloat16()
+        assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_training_and_fp32_take_f_linear():
+    layer = Linear(32, 16).bfloat16()
+    x = torch.randn(3, 32).bfloat16()
+    out = layer(x)  # grad enabled: differentiable, nothing packed
+    out.float().sum().backward()
+    assert layer.weight.grad is not None and layer.weight not in kernels._packed
+    w32 = torch.randn(16, 32)
+    with torch.inference_mode():
+        x32 = torch.randn(3, 32)
+        assert torch.equal(linear(x32, w32), F.linear(x32, w32))
+    assert w32 not in kernels._packed
+
+
+@needs_onednn
+def test_bf16_generation_is_the_same_with_and_without_packing(monkeypatch):
+    from dflash import DFlashDraftModel, ar_generate, spec_generate
+    from dflash.fast import fast_forward
+    from tiny import ragged_batch, tiny_target
+
+    target = tiny_target("llama", seed=4).bfloat16()
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    ids, mask = ragged_batch([4, 9], seed=5)
+
+    def both():
+        kw = dict(max_new_tokens=12, stop_token_ids=[], runtime="fast")
+        return ar_generate(target, ids, mask, **kw), spec_generate(target, draft, ids, mask, **kw)
+
+    kernels._packed.clear()
+    packed = both()
+    assert len(kernels._packed) > 0  # the draft's layers and the shared LM head
+    assert isinstance(fast_forward(target).layers[0].wqkv, kernels.PackedWeight)
+    monkeypatch.setattr(kernels, "_ONEDNN", False)
+    target.__dict__.pop("_dflash_fast_forward")  # rebuild the target's fast forward, now unpacked
+    plain = both()
+    assert isinstance(fast_forward(target).layers[0].wqkv, torch.Tensor)
+    assert all(torch.equal(p, q) for p, q in zip(packed, plain))
