@@ -60,6 +60,32 @@ def test_a_middling_draft_under_load_gets_a_middle_width_within_the_cap():
     assert feed(ctrl, 8, accept, lambda t: 0.040, steps=100)[-10:].count(16) >= 9
 
 
+def test_the_cost_model_prices_the_drafts_own_forward():
+    # every step with drafts also runs the draft (8 ms here); a line through plain steps (22.4 ms) and whole
+    # blocks (33.2 ms) alone would price width 2 at ~24 ms and pick it for a 30% first-slot hit rate
+    ctrl = WidthController(8)
+
+    def known_rates():  # slot 1 right 30% of the time, the rest never
+        ctrl.reached[:], ctrl.hit[:] = 1000.0, 0.0
+        ctrl.hit[1] = 300.0
+
+    for _ in range(10):
+        ctrl.observe([0], 1, 1, 0.0224)
+        ctrl.observe([0], 8, 8, 0.0332)
+    assert ctrl.step_seconds()[2] == 0  # two shapes: no telling the draft's cost from the verify's
+    known_rates()
+    assert ctrl.choose(1) == 2
+    ctrl.observe([1], 2, 2, 0.0308)  # measured once: width 2 costs 8.4 ms more than a plain step
+    a, b, c = ctrl.step_seconds()
+    assert c == pytest.approx(0.008, abs=1e-3) and a + b * 3 + c == pytest.approx(0.0312, abs=1e-3)
+    known_rates()
+    assert ctrl.choose(1) == 1  # and so do 3, 4, ... (priced, not measured)
+    assert ctrl._measured(1, 2) == pytest.approx(0.0308) and ctrl._measured(1, 3) is None
+    for _ in range(80):  # unmeasured for long, a shape gives way to the fit
+        ctrl.observe([0], 1, 1, 0.0224)
+    assert ctrl._measured(1, 2) is None and ctrl._measured(1, 1) is not None
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_any_width_sequence_reproduces_greedy_decoding(arch, monkeypatch):
     """Widths picked at random every step (1 = a plain step) change nothing in the output, with drafts that

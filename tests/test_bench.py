@@ -128,4 +128,8 @@ def test_tie_check_tells_rounding_from_divergence(setup):
     assert _tie_check(target, prefix, top, top) == (0.0, True)
     gap, tie = _tie_check(target, prefix, top, worst)
     assert gap > 1.0 and not tie
-    assert _tie_check(target, prefix, top, None)[1] is False
+    # an answer that stopped is compared through its stop token
+    from dflash.generate import default_stop_token_ids
+
+    stop = max(default_stop_token_ids(target), key=lambda t: float(logits[t]))
+    assert _tie_check(target, prefix, top, None)[0] == pytest.approx(float(logits[top] - logits[stop]), abs=1e-4)

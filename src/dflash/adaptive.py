@@ -8,7 +8,11 @@ step, the width with the most expected committed tokens per second, from what it
 
 - acceptance, per block slot k: of the rows whose slots 1..k-1 were accepted and that had slot k to verify,
   the fraction that got slot k accepted too (counts decay, so the rates follow the text being written);
-- cost: the step's wall time as a + b x (tokens verified), fitted over recent steps.
+- cost: the step's wall time for this many rows at this width, as measured (a decaying average) where it was
+  measured recently, else from a + b x (tokens verified) + c x (drafts were made) fitted over recent steps
+  (a step with drafts also runs the draft, which a line through plain steps and whole blocks would spread
+  over the widths between and so make narrow blocks look cheap; and the verify cost on a CPU is not quite
+  linear, which the measured shapes correct).
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
 much worse than decoding without a draft. While the choice is narrow, a whole block is verified now and then
@@ -32,7 +36,7 @@ class WidthController:
         self.probed = False
         self.reached = torch.zeros(block_size, dtype=torch.float64)  # [B] index k: slot k verified after 1..k-1 hit
         self.hit = torch.zeros(block_size, dtype=torch.float64)
-        self.cost: dict[int, list[float]] = {}  # tokens verified -> [EMA seconds, weight]
+        self.cost: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [EMA seconds, weight]
         self.last = None
         self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
 
@@ -48,32 +52,51 @@ class WidthController:
         self.hit += ((a >= k) & (k >= 1)).sum(0)
         for entry in self.cost.values():
             entry[1] *= self.decay
-        entry = self.cost.setdefault(tokens, [seconds, 0.0])
+        entry = self.cost.setdefault((tokens // width, width), [seconds, 0.0])
         entry[0] += 0.3 * (seconds - entry[0])
         entry[1] += 1.0
 
     def slot_rates(self) -> torch.Tensor:
-        """[B-1] chance that slot k is accepted given slots 1..k-1 were (prior-smoothed)."""
-        return ((self.hit[1:] + self.prior_rate * self.prior_weight) / (self.reached[1:] + self.prior_weight))
+        """[B-1] chance that slot k is accepted given slots 1..k-1 were, each smoothed toward the slot before it
+        (slot 1 toward `prior_rate`): far slots are reached rarely, and a fixed optimistic prior would keep
+        them looking better than they are."""
+        rates, prior = [], self.prior_rate
+        for hit, reached in zip(self.hit[1:].tolist(), self.reached[1:].tolist()):
+            prior = (hit + prior * self.prior_weight) / (reached + self.prior_weight)
+            rates.append(prior)
+        return torch.tensor(rates, dtype=torch.float64)
 
     def expected_tokens(self) -> torch.Tensor:
         """[B] tokens a row commits per step at width w = 1..B: 1 + the sum over k < w of P(slots 1..k hit)."""
         reach = torch.cumprod(self.slot_rates(), 0)
         return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(reach, 0)])
 
-    def step_seconds(self) -> tuple[float, float] | None:
-        """(a, b) of seconds = a + b x tokens, least squares over the measured token counts (None: fewer than
-        two of them yet)."""
-        if len(self.cost) < 2:
+    def step_seconds(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of seconds = a + b x tokens + c x (drafts were made), weighted least squares over the
+        measured step shapes: c is the draft's own forward, which a plain step skips (0 until both kinds of
+        step were measured). None: fewer than two token counts measured yet."""
+        shapes = list(self.cost)
+        t = torch.tensor([r * w for r, w in shapes], dtype=torch.float64)
+        if len(t.unique()) < 2:
             return None
-        t = torch.tensor(list(self.cost), dtype=torch.float64)
+        drafted = torch.tensor([float(w > 1) for _, w in shapes], dtype=torch.float64)
         s = torch.tensor([v[0] for v in self.cost.values()], dtype=torch.float64)
-        w = torch.tensor([v[1] for v in self.cost.values()], dtype=torch.float64).clamp(min=1e-6)
-        tm, sm = (w * t).sum() / w.sum(), (w * s).sum() / w.sum()
-        var = (w * (t - tm) ** 2).sum()
-        b = float((w * (t - tm) * (s - sm)).sum() / var) if var > 0 else 0.0
-        b = max(b, 0.0)  # noise must not make a wider block look cheaper than a narrow one
-        return max(float(sm - b * tm), 1e-9), b
+        sw = torch.tensor([v[1] for v in self.cost.values()], dtype=torch.float64).clamp(min=1e-6).sqrt()
+        columns = [torch.ones_like(t), t]
+        both_kinds = 0 < drafted.sum() < len(shapes) and len((t * drafted).unique()) > 1
+        if both_kinds:
+            columns.append(drafted)
+        x = torch.stack(columns, 1)
+        coef = torch.linalg.lstsq(x * sw[:, None], (s * sw)[:, None]).solution[:, 0].tolist()
+        a, b, c = coef + [0.0] * (3 - len(coef))
+        # noise must not make a wider block, or drafting, look cheaper than plain decoding
+        return max(a, 1e-9), max(b, 0.0), max(c, 0.0)
+
+    def _measured(self, rows: int, width: int) -> float | None:
+        """Seconds of a step of this shape, if measured recently enough to trust (its weight decays, so an
+        old measurement gives way to the fit, and the choice it makes measures the shape again)."""
+        entry = self.cost.get((rows, width))
+        return entry[0] if entry is not None and entry[1] >= 0.25 else None
 
     # ---- the choice -------------------------------------------------------------------------------------
     def choose(self, rows: int, max_width: int | None = None) -> int:
@@ -84,9 +107,10 @@ class WidthController:
             # two token counts are needed to price width: start wide, then measure one plain step
             w = 1 if self.last == cap else cap
         else:
-            a, b = fit
-            widths = torch.arange(1, cap + 1, dtype=torch.float64)
-            rate = rows * self.expected_tokens()[:cap] / (a + b * rows * widths)
+            a, b, c = fit
+            seconds = torch.tensor([self._measured(rows, w) or a + b * rows * w + c * (w > 1)
+                                    for w in range(1, cap + 1)], dtype=torch.float64)
+            rate = rows * self.expected_tokens()[:cap] / seconds
             w = int(rate.argmax()) + 1
             if w == cap:
                 self.probe_every = self.base_probe_every

@@ -99,9 +99,10 @@ class SpecBatch:
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
         block_pos = block_pos[:, :width]
-        if self.draft is not None:
-            # the last step's target features go into the draft cache now, in a plain step too (the next
-            # commit would otherwise replace them before any draft forward wrote them)
+        if self.draft is not None and (width > 1 or self.eagle is not None):
+            # pending target features go into the draft cache before the draft reads it; plain steps leave
+            # them pending and `commit` appends theirs, so a run of plain steps writes its context in one go
+            # (a chain drafter's entries need the token after each, so it writes every step)
             self.flush(anchor[:, 0])
         if width == 1:
             verify_ids = anchor
@@ -139,7 +140,11 @@ class SpecBatch:
         self.adapter.valid[:, p:p + q] = j < n_keep[:, None]
         if self.draft is not None:
             self.dcache.positions[:, p:p + q] = self._block_pos
-            self.pending = (self._feats, p)
+            if self.pending is None:
+                self.pending = (self._feats, p)
+            else:  # a plain step after unwritten ones: the earlier slots up to this step's stay pending
+                feats, slot = self.pending
+                self.pending = (torch.cat([feats[:, :p - slot], self._feats], 1), slot)
             if self.eagle is not None:  # the token after each kept slot is the target's own choice there
                 self._chunk = (None, self._choice, n_keep - 1)
         self.adapter.rewind(q - advance)
@@ -147,7 +152,8 @@ class SpecBatch:
             self.make_room()
 
     def flush(self, next_token: torch.Tensor | None = None):
-        """Writes pending target features into the draft cache (before a draft forward or moving slots).
+        """Writes pending target features (of one step, or of a run of plain steps) into the draft cache
+        (before a draft forward or moving slots).
         A chain drafter also needs the token after the last pending slot when it is not yet known: the next
         prompt chunk's first token or the anchor (next_token [b]); it keeps its last entry per row
         (stream [b, H], u [b, 2H], position [b]), where its chain starts."""

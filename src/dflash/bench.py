@@ -93,13 +93,24 @@ def report_dtype(target) -> str:
 
 
 @torch.no_grad()
-def _tie_check(target, prefix: list[int], ar_token, spec_token) -> tuple[float, bool]:
-    """Logit gap between the two diverging tokens after the shared prefix, and whether it is within the
-    rounding of the model's dtype: verifying B tokens at once and decoding one at a time round differently,
-    so in bf16 near-ties can flip without any bug (in fp32 they must not)."""
+def _tie_check(target, prefix: list[int], ar_token, spec_token, runtime: str = "auto") -> tuple[float, bool]:
+    """Logit gap between the two diverging tokens after the shared prefix, computed by the same target forward
+    (`runtime`) that decoded them, and whether it is within the rounding of the model's dtype: verifying B
+    tokens at once and decoding one at a time round differently, so in bf16 near-ties can flip without any
+    bug (in fp32 they must not). A token of None means that answer stopped there: its stop token is compared."""
+    from .fast import make_adapter
+    from .generate import default_stop_token_ids
+
+    adapter = make_adapter(target, None, runtime)
+    adapter.reset(1, len(prefix))
+    ids = torch.tensor([prefix], device=target.device)
+    logits = adapter.forward(ids, torch.arange(len(prefix), device=target.device)[None], capture=False,
+                             logits_to_keep=1)[0][0, -1].float()
+    stops = default_stop_token_ids(target)
+    ar_token, spec_token = (max(stops, key=lambda s: float(logits[s])) if t is None and stops else t
+                            for t in (ar_token, spec_token))
     if ar_token is None or spec_token is None:
-        return float("nan"), False  # one output stopped where the other went on
-    logits = target(torch.tensor([prefix], device=target.device)).logits[0, -1].float()
+        return float("nan"), False
     gap = float(logits[ar_token] - logits[spec_token])
     eps = torch.finfo(next(target.parameters()).dtype).eps
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
@@ -249,7 +260,8 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
                 block[m] = r.block_size
             if cfg.temperature == 0:
                 for m in mismatches:
-                    mismatches[m] += _compare(target, name, m, chunk, ids, mask, runs["ar"].tokens, runs[m].tokens)
+                    mismatches[m] += _compare(target, name, m, chunk, ids, mask, runs["ar"].tokens,
+                                              runs[m].tokens, cfg.runtime)
         med_ar = statistics.median(speed["ar"])
         entry = {"prompts": len(prompts), "ar_tokens_per_s": med_ar,
                  "ar_ttft_ms": 1000 * statistics.median(ttft["ar"]), "methods": {}}
@@ -287,7 +299,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
     return report
 
 
-def _compare(target, dataset, method, chunk, ids, mask, ar_rows, rows) -> list[dict]:
+def _compare(target, dataset, method, chunk, ids, mask, ar_rows, rows, runtime: str) -> list[dict]:
     """Every prompt where `method`'s greedy answer differs from AR's, classified (near-tie or real)."""
     found = []
     for i, p in enumerate(chunk):
@@ -296,7 +308,8 @@ def _compare(target, dataset, method, chunk, ids, mask, ar_rows, rows) -> list[d
             continue
         pos = _first_difference(a, d)
         prefix = ids[i][mask[i].bool()].tolist() + a[:pos]
-        gap, tie = _tie_check(target, prefix, a[pos] if pos < len(a) else None, d[pos] if pos < len(d) else None)
+        gap, tie = _tie_check(target, prefix, a[pos] if pos < len(a) else None, d[pos] if pos < len(d) else None,
+                              runtime)
         found.append({"prompt": p.id, "first_difference": pos, "logit_gap": gap, "near_tie": tie})
         kind = (f"a near-tie in {report_dtype(target)} (logit gap {gap:.3g}), not a logic error" if tie
                 else "NOT a near-tie: a real divergence")

@@ -186,7 +186,7 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
         ar_ids, spec_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (ar_text, spec_text))
         k = _first_difference(ar_ids, spec_ids)
         gap, tie = _tie_check(target, prompt + ar_ids[:k], ar_ids[k] if k < len(ar_ids) else None,
-                              spec_ids[k] if k < len(spec_ids) else None)
+                              spec_ids[k] if k < len(spec_ids) else None, args.runtime)
         found.append({"concurrency": concurrency, "request": i, "token": k, "logit_gap": gap, "near_tie": tie})
     return found
 
