@@ -169,7 +169,7 @@ def test_bench_serve_tells_near_ties_from_unexplained_differences(tiny_gguf):
     from dflash.bench_serve import classify_mismatches
     from dflash.prompts import Prompt
 
-    args = argparse.Namespace(model=tiny_gguf, dtype="float32", device=None, threads=1)
+    args = argparse.Namespace(model=tiny_gguf, dtype="float32", device=None, threads=1, runtime="auto")
     _, tok = load_target(tiny_gguf, dtype="float32")
     prompt = Prompt("p:1", [{"role": "user", "content": "the cat"}])
     ar_text, spec_text = "the cat sat on", "the cat dog on"
