@@ -189,3 +189,31 @@ def test_plain_steps_keep_the_draft_context_whole(arch, monkeypatch):
     out = spec_generate(target, draft, ids, mask, max_new_tokens=24, stop_token_ids=[], adaptive_width=True)
     assert torch.equal(out, ar)
     assert len(checked) > 6 and all(checked)
+
+
+def test_a_run_of_plain_steps_writes_the_draft_context_once(monkeypatch):
+    from dflash.model import DFlashDraftModel as Draft
+
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([4, 7], seed=2)
+    ar = ar_generate(target, ids, mask, max_new_tokens=30, stop_token_ids=[])
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    calls = {"write": 0, "propose": 0}
+    for name, key in (("write_context", "write"), ("propose", "propose")):
+        def counted(self, *a, _fn=getattr(Draft, name), _key=key, **k):
+            calls[_key] += 1
+            return _fn(self, *a, **k)
+        monkeypatch.setattr(Draft, name, counted)
+    widths = iter([4, 1, 1, 1, 1] * 20)
+
+    def scripted(self, rows, cap=None):
+        w = next(widths)
+        self.width_counts[w] += 1
+        return w
+
+    monkeypatch.setattr(WidthController, "choose", scripted)
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=30, stop_token_ids=[], adaptive_width=True,
+                        return_stats=True)
+    assert torch.equal(out.sequences, ar)
+    # one write per draft forward (the prompt's, then each run of plain steps'), not one per step
+    assert calls["write"] <= calls["propose"] + 1 < out.num_steps
