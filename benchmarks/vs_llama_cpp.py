@@ -3,7 +3,8 @@
     pip install llama-cpp-python        # optional; builds from source (~20 min on 2 cores), never in CI
     python benchmarks/vs_llama_cpp.py [--datasets gsm8k,humaneval] [--num-prompts 3] [--threads 2]
 
-llama.cpp runs the GGUF as it is (quantised); we run the same file de-quantised to bf16 (`load_target`).
+llama.cpp runs the GGUF as it is (quantised); we run the same file de-quantised to bf16 (`load_target`), and
+with `fast-int4` re-quantised to the GGUF's own 4-bit layout (groups of 32, a scale and an offset each).
 Per prompt the methods run back to back in rotating order after a warm-up; greedy, 256 new tokens, the
 chat template applied by both (the same token ids are fed to llama.cpp). Prints a table of median tokens/s
 and ends with one JSON line. Without llama-cpp-python installed, the llama.cpp column is left out and said so.
