@@ -73,8 +73,8 @@ class WidthController:
 
     def step_seconds(self) -> tuple[float, float, float] | None:
         """(a, b, c) of seconds = a + b x tokens + c x (drafts were made), weighted least squares over the
-        measured step shapes: c is the draft's own forward, which a plain step skips (0 until both kinds of
-        step were measured). None: fewer than two token counts measured yet."""
+        measured step shapes: c is the draft's own forward, which a plain step skips (0 until the measured
+        shapes can tell it from the verify cost). None: fewer than two token counts measured yet."""
         shapes = list(self.cost)
         t = torch.tensor([r * w for r, w in shapes], dtype=torch.float64)
         if len(t.unique()) < 2:
@@ -82,11 +82,9 @@ class WidthController:
         drafted = torch.tensor([float(w > 1) for _, w in shapes], dtype=torch.float64)
         s = torch.tensor([v[0] for v in self.cost.values()], dtype=torch.float64)
         sw = torch.tensor([v[1] for v in self.cost.values()], dtype=torch.float64).clamp(min=1e-6).sqrt()
-        columns = [torch.ones_like(t), t]
-        both_kinds = 0 < drafted.sum() < len(shapes) and len((t * drafted).unique()) > 1
-        if both_kinds:
-            columns.append(drafted)
-        x = torch.stack(columns, 1)
+        x = torch.stack([torch.ones_like(t), t, drafted], 1)
+        if torch.linalg.matrix_rank(x) < 3:  # the shapes so far cannot tell the draft's cost from the verify's
+            x = x[:, :2]
         coef = torch.linalg.lstsq(x * sw[:, None], (s * sw)[:, None]).solution[:, 0].tolist()
         a, b, c = coef + [0.0] * (3 - len(coef))
         # noise must not make a wider block, or drafting, look cheaper than plain decoding
