@@ -37,7 +37,18 @@ def fast_unsupported(model) -> str | None:
     return None
 
 
-class Int8Weight:
+class _WeightOnlyQuantized:
+    """A quantised weight whose PyTorch kernel takes 2-D inputs and no bias (`_matmul`)."""
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class Int8Weight(_WeightOnlyQuantized):
     """A weight quantised per output row to int8 (symmetric), multiplied by PyTorch's weight-only int8 kernel:
     half the bytes of bf16 to stream through memory per token."""
 
@@ -47,13 +58,11 @@ class Int8Weight:
         self.qweight = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
         self.scale = scale.to(w.dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.qweight, self.scale)
-        y = y.view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scale)
 
 
-class Int4Weight:
+class Int4Weight(_WeightOnlyQuantized):
     """A weight quantised to 4 bits in groups of 32 inputs, each with its own scale and offset (asymmetric): the
     layout of GGUF's Q4_1, so a model shipped as Q4_1 and de-quantised on load comes back to (almost exactly)
     the grid it was stored on. Multiplied by PyTorch's weight-only int4 CPU kernel, which dequantises
@@ -74,11 +83,8 @@ class Int4Weight:
         zero = low + 8 * scale
         self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(w.dtype)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.GROUP,
-                                                       self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
