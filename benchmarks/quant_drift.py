@@ -2,9 +2,9 @@
 GSM8K test questions from each quantised target next to the same target in the fast bf16 runtime.
 
 Quantisation changes the target, so DFlash on int8/int4 is lossless against that target's own decoding, not
-bf16's; this reports what that costs. It counts how many outputs are identical, the median token where they part, how
-often the final numbers agree, and each runtime's accuracy against the reference answers. Prints a table and
-ends with one JSON line.
+bf16's; this reports what that costs. It counts how many outputs are identical, the median token where they
+part, how often the final numbers agree, and each runtime's accuracy against the reference answers. Prints a
+table and ends with one JSON line.
 
     DFLASH_DATA_DIR=../shared/data python benchmarks/quant_drift.py --num-prompts 64
 """
