@@ -8,7 +8,18 @@ import torch.nn.functional as F
 from dflash import kernels
 from dflash.kernels import Linear, linear
 
-needs_onednn = pytest.mark.skipif(not kernels._ONEDNN, reason="PyTorch built without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not (kernels._ONEDNN and kernels._cpu_packs(torch.bfloat16)),
+    reason="no oneDNN bf16 weight packing here (PyTorch without oneDNN, or a CPU without AVX-512/AVX-NE-CONVERT)")
+
+
+def test_linear_falls_back_to_f_linear_where_the_cpu_cannot_pack(monkeypatch):
+    # an AVX2-only CPU: oneDNN refuses to pack bf16, and `linear` must quietly stay on F.linear
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)
+    w, x = torch.randn(16, 8).bfloat16(), torch.randn(3, 8).bfloat16()
+    with torch.inference_mode():
+        assert not kernels.packable(w)
+        assert torch.equal(linear(x, w), F.linear(x, w)) and w not in kernels._packed
 
 
 @needs_onednn

@@ -12,6 +12,8 @@ or is replaced; training itself (grad enabled) always takes `F.linear`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,9 +24,21 @@ _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
+def _cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs weights of this dtype: bf16 needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT,
+    fp16 AVX512-FP16 or AVX-NE-CONVERT. oneDNN's own check is the authority, so ask it with a tiny weight."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packable(w: torch.Tensor) -> bool:
     """Whether products with weight w [out, in] are exact and faster through a prepacked oneDNN weight."""
-    return _ONEDNN and w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and w.dim() == 2
+    return (_ONEDNN and w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and w.dim() == 2
+            and _cpu_packs(w.dtype))
 
 
 class PackedWeight:
