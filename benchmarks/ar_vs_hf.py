@@ -16,7 +16,7 @@ import time
 import torch
 
 from dflash import ar_generate
-from dflash.loading import DEFAULT_MODEL, load_target
+from dflash.loading import DEFAULT_MODEL, hardware, load_target
 
 PROMPTS = [
     "Explain why the sky is blue to a ten-year-old.",
@@ -66,7 +66,7 @@ def main():
     print(f"{'method':24s} {'median tok/s':>12s} {'vs generate':>11s} {'same tokens':>11s}  per prompt")
     for m, r in rates.items():
         print(f"{m:24s} {med[m]:12.1f} {ratio[m]:10.2f}x {str(same[m]):>11s}  {', '.join(f'{x:.1f}' for x in r)}")
-    print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "hardware": hardware(), "threads": torch.get_num_threads(),
                       "max_new_tokens": n, "prompts": len(encoded) * args.repeats,
                       "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
                       "ratio_to_generate": {m: round(v, 3) for m, v in ratio.items()},

@@ -16,7 +16,7 @@ from dflash import ar_generate, spec_generate
 from dflash import fast as fast_mod
 from dflash import model as model_mod
 from dflash import target as target_mod
-from dflash.loading import DEFAULT_MODEL, load_draft, load_target
+from dflash.loading import DEFAULT_MODEL, hardware, load_draft, load_target
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did Natalia sell altogether in April and May?")
@@ -32,8 +32,9 @@ def main():
     ap.add_argument("--data", default=None, help="regenerated dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
     ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
+    ap.add_argument("--dtype", default=None, help="target dtype; None = dflash's default for this machine")
     args = ap.parse_args()
-    target, tok = load_target(args.model, threads=args.threads)
+    target, tok = load_target(args.model, dtype=args.dtype, threads=args.threads)
     draft = load_draft(args.draft, target)
     if args.draft_vocab_size:
         from dflash.regenerate import read_dataset
@@ -78,7 +79,8 @@ def main():
     print(f"{'method':7s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) + f" {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
     print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
-                      "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))
+                      "dtype": str(target.dtype).removeprefix("torch."),
+                      "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))
 
 
 if __name__ == "__main__":

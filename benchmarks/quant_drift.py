@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from dflash import ar_generate
 from dflash.generate import default_stop_token_ids
-from dflash.loading import DEFAULT_MODEL, load_target
+from dflash.loading import DEFAULT_MODEL, hardware, load_target
 from dflash.prompts import read_prompts
 from dflash.regenerate import encode_prompt, left_pad, pad_id_for
 
@@ -86,7 +86,8 @@ def main():
     n = len(prompts)
     base_tok, base_txt, _ = runs["fast"]
     base_ans = [final_number(t) for t in base_txt]
-    summary = {"model": args.model, "prompts": n, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+    summary = {"model": args.model, "prompts": n, "max_new_tokens": args.max_new_tokens, "hardware": hardware(),
+               "threads": args.threads,
                "batch_size": args.batch_size, "runtimes": {}}
     for rt, (toks, txts, speed) in runs.items():
         parted = [first_difference(a, b) for a, b in zip(base_tok, toks)]

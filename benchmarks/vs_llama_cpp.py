@@ -22,7 +22,7 @@ import torch
 
 from dflash import ar_generate, spec_generate
 from dflash.bench import BENCH_SETS
-from dflash.loading import DEFAULT_MODEL, alias_gguf, load_draft, load_target, shipped_draft
+from dflash.loading import DEFAULT_MODEL, alias_gguf, hardware, load_draft, load_target, shipped_draft
 from dflash.prompts import read_prompts
 from dflash.regenerate import encode_prompt
 
@@ -87,7 +87,7 @@ def main():
     print(f"{'method':30s} {'median tok/s':>12s}  per prompt ({len(encoded)} prompts, {args.threads} threads)")
     for m, r in rates.items():
         print(f"{m:30s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
-    print(json.dumps({"model": gguf, "draft": str(draft_path), "threads": args.threads, "max_new_tokens": n,
+    print(json.dumps({"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads, "max_new_tokens": n,
                       "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
                       "new_tokens": counts}))
 

@@ -34,6 +34,9 @@ def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
     last = json.loads(lines[-1])
     assert last["datasets"]["p"]["dflash"]["mismatches"] == 0
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    # the numbers name the machine they were measured on, down to the CPU's vector ISA
+    cap = torch.backends.cpu.get_cpu_capability()
+    assert saved["hardware"].endswith(f"({cap})") and saved["hardware"] in lines[0]
     r = saved["datasets"]["p"]
     d = r["methods"]["dflash"]
     assert r["prompts"] == 5 and sum(d["acceptance_histogram"]) > 0 and len(d["acceptance_histogram"]) == 4

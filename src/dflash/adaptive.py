@@ -15,9 +15,9 @@ step, the width with the most expected committed tokens per second, from what it
   linear, which the measured shapes correct).
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
-much worse than decoding without a draft. While the choice is narrow, a whole block is verified now and then
-to keep measuring the far slots, less and less often while those probes change nothing. Every width keeps the
-output exact: the verify rule does not depend on how many proposals are checked.
+much worse than decoding without a draft. While the choice is narrow, twice that width is verified now and
+then to keep measuring the slots past it, less and less often while those probes change nothing. Every width
+keeps the output exact: the verify rule does not depend on how many proposals are checked.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class WidthController:
         self.probe_every = self.base_probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.since_probe = 0
-        self.probed = False
+        self.probed_from: int | None = None  # the width chosen before the last probe widened it
         self.reached = torch.zeros(block_size, dtype=torch.float64)  # [B] index k: slot k verified after 1..k-1 hit
         self.hit = torch.zeros(block_size, dtype=torch.float64)
         self.cost: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [EMA seconds, weight]
@@ -110,17 +110,21 @@ class WidthController:
                                     for w in range(1, cap + 1)], dtype=torch.float64)
             rate = rows * self.expected_tokens()[:cap] / seconds
             w = int(rate.argmax()) + 1
-            if w == cap:
+            if self.probed_from is not None:  # the step after a probe
+                # a probe that widened the choice found more to gain: look further soon; one that changed
+                # nothing is worth less often, since its wide step costs the most when many rows share it
+                self.probe_every = (self.base_probe_every if w > self.probed_from
+                                    else min(2 * self.probe_every, self.max_probe_every))
+                self.probed_from = None
+            elif w == cap:
                 self.probe_every = self.base_probe_every
-            elif self.probed:
-                # a probe that left the choice narrow is worth less often: its wide step costs the most when
-                # many rows share it
-                self.probe_every = min(2 * self.probe_every, self.max_probe_every)
-            self.probed = False
             self.since_probe += 1
             if w < cap and self.since_probe >= self.probe_every:
-                w = cap  # now and then verify the whole block, so the far slots' rates stay measured
-                self.since_probe, self.probed = 0, True
+                # now and then verify twice the chosen width, so the slots just past it stay measured; a
+                # far slot matters only once the nearer ones pay, and where verifying is dear (a CPU without
+                # fast multi-row kernels) a whole-block probe costs several plain steps
+                self.probed_from, w = w, min(cap, 2 * w)
+                self.since_probe = 0
         self.last = w
         self.width_counts[w] += 1
         return w

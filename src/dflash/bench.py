@@ -224,6 +224,7 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
 
 def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None) -> dict:
     from .generate import default_stop_token_ids
+    from .loading import hardware
     from .regenerate import encode_prompt, left_pad, pad_id_for
 
     cfg.methods = list(cfg.methods)
@@ -282,6 +283,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
     every = [x for r in results.values() for v in r["methods"].values() for x in v["mismatches"]]
     report = {"config": asdict(cfg), "block_size": cfg.block_size or (draft.config.block_size if draft else None),
               "dtype": report_dtype(target), "threads": torch.get_num_threads(), "device": str(device),
+              "hardware": hardware(device),
               "datasets": results, "total_mismatches": len(every),
               "real_mismatches": sum(not m["near_tie"] for m in every)}
     out = Path(cfg.out)
@@ -322,7 +324,8 @@ def format_table(report: dict) -> str:
     c = report["config"]
     head = (f"dflash bench: {report['dtype']}, {report['threads']} threads, {report['device']}, runtime "
             f"{c['runtime']}, temperature {c['temperature']}, batch {c['batch_size']}, "
-            f"max {c['max_new_tokens']} new tokens, block {report['block_size']}")
+            f"max {c['max_new_tokens']} new tokens, block {report['block_size']}"
+            + (f", on {report['hardware']}" if report.get("hardware") else ""))
     cols = (f"{'dataset':12s} {'method':16s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'tok/s':>7s} "
             f"{'speedup':>8s} {'med ratio':>9s} {'TTFT AR/method ms':>18s} {'mismatch':>8s}")
     rows = [head, cols, "-" * len(cols)]

@@ -246,7 +246,11 @@ def run_bench_serve(args) -> dict:
         lines.append(f"WARNING: {mismatches} greedy answers differ between DFlash and AR: {near_ties} part at a "
                      f"near-tie within the dtype's rounding, {mismatches - near_ties} unexplained")
     print("\n".join(lines))
+    from .loading import hardware
+
     report = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "results": results,
+              # the servers this command started ran here; a --base-url server's machine is unknown
+              "hardware": None if args.base_url else hardware(args.device),
               "throughput_ratio": ratios, "greedy_mismatches": mismatches, "near_ties": near_ties,
               "mismatch_details": details}
     atomic_write_text(out / "results.json", json.dumps(report, indent=2, default=str) + "\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import sys
@@ -77,13 +78,30 @@ def set_default_threads(threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def hardware(device: torch.device | str | None = None) -> str:
+    """What the numbers were measured on, e.g. "AMD EPYC (AVX2)" or "NVIDIA H200": the CPU's vector ISA
+    decides which kernels are fast (without AVX-512, bf16 products of several rows cost several times one row),
+    so a benchmark result means little without it."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _resolve_dtype(dtype, device: torch.device):
     if dtype is None:
-        # bf16 is the fast path on CPU here; on a GPU keep the checkpoint's own dtype
+        # bf16 halves the weight traffic that bounds a decode step: it decoded fastest on every CPU measured,
+        # AVX2-only ones included (benchmarks/profile_step.py --dtype); on a GPU keep the checkpoint's own dtype
         return torch.bfloat16 if device.type == "cpu" else "auto"
     if isinstance(dtype, str) and dtype != "auto":
         value = getattr(torch, dtype, None)
