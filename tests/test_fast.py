@@ -97,3 +97,35 @@ def test_int4_recovers_weights_stored_on_a_4_bit_grid():
     assert torch.allclose(Int4Weight(w).linear(x, None), x @ w.T, atol=1e-3)
     with pytest.raises(DFlashConfigError, match="multiple of 32"):
         Int4Weight(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_long_prompt_pass_multiplies_in_fp32_where_the_cpu_has_no_bf16_kernels(arch, monkeypatch):
+    from dflash import fast, kernels
+
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)  # an AVX2-only CPU
+    target = tiny_target(arch, seed=6).bfloat16()
+    assert fast.fast_forward(target).upcast_rows == fast.PROMPT_UPCAST_ROWS
+    assert fast.fast_forward(tiny_target(arch, seed=6)).upcast_rows is None  # fp32 has nothing to widen
+    calls = []
+    plain_linear = fast._linear
+    monkeypatch.setattr(fast, "_linear", lambda x, w, b=None, upcast=False: (
+        calls.append((x.shape[-2], upcast)), plain_linear(x, w, b, upcast))[1])
+    ids, mask = ragged_batch([20, 13], seed=7)  # padded to 20 tokens: one prompt pass of 20 rows per sequence
+    ar = ar_generate(target, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime="fast")
+    prompt_pass = {up for rows, up in calls if rows == 20}
+    later = {up for rows, up in calls if rows != 20}
+    assert prompt_pass == {True} and later == {False}  # the LM head of the prompt pass keeps one row
+    for B in (2, 8):  # plain and speculative decoding share that prompt pass: still exact against each other
+        draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
+        spec = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime="fast")
+        assert torch.equal(spec, ar), B
+    # and the widened pass computes what the bf16 kernel would, up to bf16 rounding
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    out = {}
+    for rows in (fast.PROMPT_UPCAST_ROWS, 10 ** 6):
+        fast.fast_forward(target).upcast_rows = rows
+        a = make_adapter(target, None, "fast")
+        a.reset(2, 32)
+        out[rows] = a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)[0].float()
+    assert torch.allclose(out[fast.PROMPT_UPCAST_ROWS], out[10 ** 6], atol=0.1, rtol=0.05)

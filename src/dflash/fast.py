@@ -88,6 +88,7 @@ class Int4Weight(_WeightOnlyQuantized):
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
+PROMPT_UPCAST_ROWS = 16  # prompt tokens from which a prompt pass multiplies in fp32 (CPUs without half kernels)
 
 
 def _prepared(w: torch.Tensor, quantize: str | None):
@@ -97,8 +98,12 @@ def _prepared(w: torch.Tensor, quantize: str | None):
     return PackedWeight(w) if packable(w) else w.detach()
 
 
-def _linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
-    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w.linear(x, b)
+def _linear(x: torch.Tensor, w, b=None, upcast: bool = False) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
+    if upcast:  # see FastForward.upcast_rows
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+    return F.linear(x, w, b)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +159,15 @@ class FastForward:
         # on the CPU, bf16/fp16 attention kernels for a few queries over a long cache are several times slower
         # than fp32 ones, so there the cache holds fp32
         self.attn_dtype = torch.float32 if next(model.parameters()).device.type == "cpu" else dtype
+        # Where the CPU has no bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's
+        # fallback costs about linearly in the rows, several times an fp32 product for a prompt's hundreds. A
+        # prompt pass of PROMPT_UPCAST_ROWS tokens or more then multiplies in fp32 by weights widened on the fly
+        # (they widen exactly; only the summation order differs) and rounds back. Only the prompt pass: every
+        # later step, decode or verify, keeps the model's own kernel, so plain and speculative decoding still
+        # share every product after the prompt, and the prompt pass itself.
+        plain_half = (self.attn_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
+                      and isinstance(self.layers[0].wqkv, torch.Tensor))
+        self.upcast_rows = PROMPT_UPCAST_ROWS if plain_half else None
 
     @torch.inference_mode()
     def __call__(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int],
@@ -174,9 +188,10 @@ class FastForward:
         mask = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
         taps = {}
         tap_set = set(tap_ids)
+        up = self.upcast_rows is not None and logits_to_keep > 0 and q >= self.upcast_rows
         for i, (L, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             h = _norm(L.ln1, x)
-            qkv = _linear(h, L.wqkv, L.bqkv)
+            qkv = _linear(h, L.wqkv, L.bqkv, up)
             qk, vs = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
             qk = qk.view(b, q, nh + nkv, d)
             if L.q_norm is not None:
@@ -189,9 +204,9 @@ class FastForward:
             keys, values = layer_cache.update(ks.to(self.attn_dtype), vs.to(self.attn_dtype))
             o = F.scaled_dot_product_attention(qs.to(self.attn_dtype), keys[:, :, :end], values[:, :, :end],
                                                attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa)
-            x = x + _linear(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo)
-            gate, up = _linear(_norm(L.ln2, x), L.wgu, L.bgu).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, L.wdown, L.bdown)
+            x = x + _linear(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, up)
+            gate, lift = _linear(_norm(L.ln2, x), L.wgu, L.bgu, up).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * lift, L.wdown, L.bdown, up)
             if i in tap_set:
                 taps[i] = x
         if logits_to_keep:
