@@ -102,8 +102,10 @@ class WidthController:
         cap = self.B if max_width is None else max(1, min(max_width, self.B))
         fit = self.step_seconds()
         if fit is None:
-            # two token counts are needed to price width: start wide, then measure one plain step
-            w = 1 if self.last == cap else cap
+            # two token counts are needed to price width: one step of two, then a plain one (not a whole block:
+            # where verifying is dear that first step alone costs several plain ones, and a good draft shows in
+            # slot 1, whose rate the far slots are smoothed toward, so the next choice can go wide at once)
+            w = 1 if self.last is not None and self.last > 1 else min(2, cap)
         else:
             a, b, c = fit
             seconds = torch.tensor([self._measured(rows, w) or a + b * rows * w + c * (w > 1)
