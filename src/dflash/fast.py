@@ -156,17 +156,18 @@ class FastForward:
         self.final_norm = inner.norm
         self.layers = [_Layer(layer, quantize) for layer in decoder_layers(model)]
         dtype = next(model.parameters()).dtype
+        on_cpu = next(model.parameters()).device.type == "cpu"
         # on the CPU, bf16/fp16 attention kernels for a few queries over a long cache are several times slower
         # than fp32 ones, so there the cache holds fp32
-        self.attn_dtype = torch.float32 if next(model.parameters()).device.type == "cpu" else dtype
+        self.attn_dtype = torch.float32 if on_cpu else dtype
         # Where the CPU has no bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's
         # fallback costs about linearly in the rows, several times an fp32 product for a prompt's hundreds. A
         # prompt pass of PROMPT_UPCAST_ROWS tokens or more then multiplies in fp32 by weights widened on the fly
         # (they widen exactly; only the summation order differs) and rounds back. Only the prompt pass: every
         # later step, decode or verify, keeps the model's own kernel, so plain and speculative decoding still
         # share every product after the prompt, and the prompt pass itself.
-        plain_half = (self.attn_dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
-                      and isinstance(self.layers[0].wqkv, torch.Tensor))
+        plain_half = (on_cpu and dtype in (torch.bfloat16, torch.float16)
+                      and isinstance(self.layers[0].wqkv, torch.Tensor))  # neither packed nor quantised
         self.upcast_rows = PROMPT_UPCAST_ROWS if plain_half else None
 
     @torch.inference_mode()
