@@ -129,3 +129,17 @@ def test_a_long_prompt_pass_multiplies_in_fp32_where_the_cpu_has_no_bf16_kernels
         a.reset(2, 32)
         out[rows] = a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)[0].float()
     assert torch.allclose(out[fast.PROMPT_UPCAST_ROWS], out[10 ** 6], atol=0.1, rtol=0.05)
+
+
+def test_compiled_runtime_decodes_as_the_eager_one():
+    target = tiny_target("qwen3", seed=4)  # q/k norms: the family with the most to trace
+    ids, mask = ragged_batch([4, 10, 7], seed=5)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    eager = ar_generate(target, ids, mask, runtime="fast", **kw)
+    compiled = ar_generate(target, ids, mask, runtime="fast-compile", **kw)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(spec_generate(target, draft, ids, mask, runtime="fast-compile", **kw), eager)
+    # the decode and the verify steps were compiled (each timed once); the prompt pass was not
+    assert set(make_adapter(target, None, "fast-compile").fast.compile_seconds) == {"n rows x 1 token",
+                                                                                  "n rows x n tokens, tapped"}

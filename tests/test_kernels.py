@@ -13,13 +13,21 @@ needs_onednn = pytest.mark.skipif(
     reason="no oneDNN bf16 weight packing here (PyTorch without oneDNN, or a CPU without AVX-512/AVX-NE-CONVERT)")
 
 
-def test_linear_falls_back_to_f_linear_where_the_cpu_cannot_pack(monkeypatch):
-    # an AVX2-only CPU: oneDNN refuses to pack bf16, and `linear` must quietly stay on F.linear
+def test_where_the_cpu_cannot_pack_few_rows_take_f_linear_and_more_multiply_in_fp32(monkeypatch):
+    # an AVX2-only CPU: oneDNN refuses to pack bf16; under WIDEN_ROWS rows `linear` is F.linear, from there on
+    # the product runs in fp32 by a widened copy of the weight, remade when the weight changes
     monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)
-    w, x = torch.randn(16, 8).bfloat16(), torch.randn(3, 8).bfloat16()
-    with torch.inference_mode():
-        assert not kernels.packable(w)
-        assert torch.equal(linear(x, w), F.linear(x, w)) and w not in kernels._packed
+    w, b = torch.randn(16, 8).bfloat16(), torch.randn(16).bfloat16()
+    few, many = torch.randn(kernels.WIDEN_ROWS - 1, 8).bfloat16(), torch.randn(2, kernels.WIDEN_ROWS, 8).bfloat16()
+    with torch.no_grad():
+        assert not kernels.packable(w) and kernels.widens(w)
+        assert torch.equal(linear(few, w, b), F.linear(few, w, b)) and w not in kernels._packed
+        assert w not in kernels._widened
+        for _ in range(2):  # the second time after an in-place update
+            wide = F.linear(many.float(), w.float(), b.float()).bfloat16()
+            assert torch.equal(linear(many, w, b), wide) and w in kernels._widened
+            assert torch.allclose(wide.float(), F.linear(many, w, b).float(), atol=0.1, rtol=0.02)
+            w.mul_(2)
 
 
 @needs_onednn
@@ -97,3 +105,19 @@ def test_bf16_generation_is_the_same_with_and_without_packing(monkeypatch):
     plain = both()
     assert isinstance(fast_forward(target).layers[0].wqkv, torch.Tensor)
     assert all(torch.equal(p, q) for p, q in zip(packed, plain))
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])  # tiny vocabularies have 96 tokens
+def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_exact(monkeypatch, draft_vocab):
+    from dflash import DFlashDraftModel, ar_generate, spec_generate
+    from tiny import ragged_batch, tiny_target
+
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)
+    target = tiny_target("llama", seed=6).bfloat16()
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    draft.set_draft_vocab(draft_vocab)
+    ids, mask = ragged_batch([4, 9], seed=7)
+    kw = dict(max_new_tokens=12, stop_token_ids=[], runtime="fast")
+    spec = spec_generate(target, draft, ids, mask, **kw)
+    assert isinstance(draft._proposal_head()[0], kernels.Int8Weight)
+    assert torch.equal(spec, ar_generate(target, ids, mask, **kw))

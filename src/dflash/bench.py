@@ -224,6 +224,7 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
 
 def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None) -> dict:
     from .generate import default_stop_token_ids
+    from .fast import compile_seconds
     from .loading import hardware
     from .regenerate import encode_prompt, left_pad, pad_id_for
 
@@ -283,7 +284,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
     every = [x for r in results.values() for v in r["methods"].values() for x in v["mismatches"]]
     report = {"config": asdict(cfg), "block_size": cfg.block_size or (draft.config.block_size if draft else None),
               "dtype": report_dtype(target), "threads": torch.get_num_threads(), "device": str(device),
-              "hardware": hardware(device),
+              "hardware": hardware(device), "compile_seconds": compile_seconds(target),
               "datasets": results, "total_mismatches": len(every),
               "real_mismatches": sum(not m["near_tie"] for m in every)}
     out = Path(cfg.out)
@@ -325,7 +326,9 @@ def format_table(report: dict) -> str:
     head = (f"dflash bench: {report['dtype']}, {report['threads']} threads, {report['device']}, runtime "
             f"{c['runtime']}, temperature {c['temperature']}, batch {c['batch_size']}, "
             f"max {c['max_new_tokens']} new tokens, block {report['block_size']}"
-            + (f", on {report['hardware']}" if report.get("hardware") else ""))
+            + (f", on {report['hardware']}" if report.get("hardware") else "")
+            + (f"; torch.compile took {sum(report['compile_seconds'].values()):.0f} s (warm-up, not timed)"
+               if report.get("compile_seconds") else ""))
     cols = (f"{'dataset':12s} {'method':16s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'tok/s':>7s} "
             f"{'speedup':>8s} {'med ratio':>9s} {'TTFT AR/method ms':>18s} {'mismatch':>8s}")
     rows = [head, cols, "-" * len(cols)]

@@ -52,7 +52,8 @@ def start_server(args, draft: bool, log_path: Path) -> tuple[subprocess.Popen, s
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+    wait = 1800 if args.runtime.endswith("-compile") else 600  # a compiling server builds its graphs first
+    deadline = time.time() + wait
     while True:
         if proc.poll() is not None:
             raise DFlashError(f"the server exited with status {proc.returncode}; see {log_path}")
@@ -63,7 +64,7 @@ def start_server(args, draft: bool, log_path: Path) -> tuple[subprocess.Popen, s
             pass
         if time.time() > deadline:
             proc.kill()
-            raise DFlashError(f"the server did not come up in 600 s; see {log_path}")
+            raise DFlashError(f"the server did not come up in {wait} s; see {log_path}")
         time.sleep(0.5)
 
 

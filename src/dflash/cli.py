@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import torch
@@ -452,6 +453,9 @@ def cmd_serve(args) -> int:
     kind = f"DFlash, block {engine.block_size}" if engine.draft is not None else "no draft"
     print(f"dflash serve: {args.model} ({kind}), max batch {args.max_batch_size}, context {engine.max_model_len}",
           file=sys.stderr)
+    if args.runtime.endswith("-compile"):
+        print("dflash serve: compiling the step graphs before listening", file=sys.stderr)
+        engine.warm_up()
     serve(engine, args.served_model_name or str(args.model), host=args.host, port=args.port)
     return 0
 
@@ -469,6 +473,12 @@ def main(argv=None) -> int:
 
     hf_logging.disable_progress_bar()  # stdout/stderr carry the answer and one stats line, not load bars
     hf_logging.set_verbosity_error()
+    log = logging.getLogger("dflash")  # our own notes (e.g. how long torch.compile took) go to stderr
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("dflash: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
                 "features": cmd_features, "bench": cmd_bench, "serve": cmd_serve,

@@ -411,6 +411,13 @@ class LLMEngine:
                 continue
             self.step()
 
+    def warm_up(self, max_tokens: int = 32) -> None:
+        """Serves two throw-away rounds (one request alone, then two together) so that a compiled runtime
+        ('*-compile') builds its step graphs before a user waits for them."""
+        ids = self.tokenizer.encode("Count from one to twenty.")
+        for n in (1, 2):
+            self.generate([ids] * n, max_tokens=max_tokens)
+
     def generate(self, prompts: list[list[int]], **kwargs) -> list[Sequence]:
         """Offline use and tests: runs the given prompts to completion through the continuous-batching loop."""
         seqs = [self.add_request(p, **kwargs) for p in prompts]

@@ -10,15 +10,21 @@ needs are read as the layers go.
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashConfigError
-from .kernels import PackedWeight, packable
+from .kernels import Int4Weight, Int8Weight, PackedWeight, packable
+from .loading import dflash_home
 from .target import TargetAdapter, decoder_layers
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+log = logging.getLogger("dflash")
 
 
 def fast_unsupported(model) -> str | None:
@@ -35,56 +41,6 @@ def fast_unsupported(model) -> str | None:
     if getattr(layers[0].mlp, "gate_proj", None) is None:
         return "an MLP without gate_proj/up_proj"
     return None
-
-
-class _WeightOnlyQuantized:
-    """A quantised weight whose PyTorch kernel takes 2-D inputs and no bias (`_matmul`)."""
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        return y if bias is None else y + bias
-
-
-class Int8Weight(_WeightOnlyQuantized):
-    """A weight quantised per output row to int8 (symmetric), multiplied by PyTorch's weight-only int8 kernel:
-    half the bytes of bf16 to stream through memory per token."""
-
-    def __init__(self, w: torch.Tensor):
-        w = w.detach()
-        scale = w.float().abs().amax(1).clamp(min=1e-12) / 127
-        self.qweight = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(w.dtype)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.qweight, self.scale)
-
-
-class Int4Weight(_WeightOnlyQuantized):
-    """A weight quantised to 4 bits in groups of 32 inputs, each with its own scale and offset (asymmetric): the
-    layout of GGUF's Q4_1, so a model shipped as Q4_1 and de-quantised on load comes back to (almost exactly)
-    the grid it was stored on. Multiplied by PyTorch's weight-only int4 CPU kernel, which dequantises
-    w = (q - 8) * scale + zero on the fly: a quarter of the bytes of bf16 per token."""
-
-    GROUP = 32
-
-    def __init__(self, w: torch.Tensor):
-        out_features, in_features = w.shape
-        if in_features % self.GROUP:
-            raise DFlashConfigError(f"int4 needs the input size of every linear layer to be a multiple of "
-                                    f"{self.GROUP}; a weight has {in_features}")
-        groups = w.detach().float().view(out_features, in_features // self.GROUP, self.GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
-        zero = low + 8 * scale
-        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(w.dtype)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
@@ -106,9 +62,11 @@ def _linear(x: torch.Tensor, w, b=None, upcast: bool = False) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's cos/sin [b, q, d] as [b, 1, q, d], sin with its first half negated. Then x*cos + roll(x, d/2)*sin
+    is HF's x*cos + rotate_half(x)*sin bit for bit (negating is exact) in one op instead of three."""
+    half = sin.shape[-1] // 2
+    return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, None]
 
 
 class _Layer:
@@ -169,24 +127,70 @@ class FastForward:
         plain_half = (on_cpu and dtype in (torch.bfloat16, torch.float16)
                       and isinstance(self.layers[0].wqkv, torch.Tensor))  # neither packed nor quantised
         self.upcast_rows = PROMPT_UPCAST_ROWS if plain_half else None
+        self._compiled = None
+        self.compile_seconds: dict[str, float] = {}  # shape class -> seconds of its first (compiling) call
+
+    def _write(self, layer, ks: torch.Tensor, vs: torch.Tensor, pointer: int):
+        """Writes keys/values [b, nkv, q, d] at slots pointer.. of a StaticLayer; returns its storage.
+
+        A slice copy, converting to the cache dtype on the way: StaticLayer.update would spend five small ops
+        (slot index, counter, two index copies) on it. Its counter is advanced for all layers at once by the
+        caller, so crop/rewind keep working on it."""
+        if not layer.is_initialized:
+            layer.lazy_initialization(ks.to(self.attn_dtype), vs.to(self.attn_dtype))
+        end = pointer + ks.shape[2]
+        layer.keys[:, :, pointer:end] = ks
+        layer.values[:, :, pointer:end] = vs
+        return layer.keys, layer.values
 
     @torch.inference_mode()
     def __call__(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int],
-                 logits_to_keep: int = 0):
+                 logits_to_keep: int = 0, compile: bool = False):
         """input_ids, position_ids: [b, q] written at slots pointer..pointer+q of `cache` (StaticLayers);
-        valid: [b, capacity] committed slots (the new ones included). Returns (logits [b, q', V], taps)."""
+        valid: [b, capacity] committed slots (the new ones included). Returns (logits [b, q', V], taps).
+        compile: run decode and verify steps (logits_to_keep=0) through `torch.compile` (see `_compiled_step`);
+        prompt passes, one-offs of any length, stay eager."""
+        args = (input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
+        if compile and not logits_to_keep:
+            return self._compiled_step(*args)
+        return self._forward(*args)
+
+    def _compiled_step(self, input_ids, *args):
+        """The step through torch.compile, built on first use. Shapes are dynamic, so a filling or growing
+        cache, another verify width or batch size does not recompile; torch specialises sizes of 1, so one or
+        more rows and one or more tokens are graphs of their own, and so are steps that tap hidden states for a
+        draft. Each graph is traced and compiled on its first call, which is timed into `compile_seconds` and
+        logged. Inductor keeps the compiled code on disk (under DFLASH_HOME unless TORCHINDUCTOR_CACHE_DIR says
+        otherwise), so a later process only traces again."""
+        if self._compiled is None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dflash_home() / "inductor"))
+            self._compiled = torch.compile(self._forward, dynamic=True)
+        b, q = input_ids.shape
+        tapped = bool(args[-2])
+        graph = f"{'n rows' if b > 1 else '1 row'} x {'n tokens' if q > 1 else '1 token'}{', tapped' * tapped}"
+        if graph in self.compile_seconds:
+            return self._compiled(input_ids, *args)
+        t = time.perf_counter()
+        out = self._compiled(input_ids, *args)
+        self.compile_seconds[graph] = time.perf_counter() - t
+        log.info("torch.compile: the %s step took %.1f s to trace and compile", graph, self.compile_seconds[graph])
+        return out
+
+    def _forward(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int], logits_to_keep: int):
         b, q = input_ids.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
-        cos, sin = self.rotary(x, position_ids)
-        cos, sin = cos[:, None], sin[:, None]  # [b, 1, q, d]
+        cos, sin = _rope_tables(*self.rotary(x, position_ids))  # [b, 1, q, d]
         end = pointer + q  # attention reads only the slots in use, not the whole storage
         valid = valid[:, :end]
         # slot j is visible to query i if it is committed and not after the query's own slot; a query always
         # sees its own slot, so a padding query attends to something and its states stay finite
         slots = torch.arange(end, device=valid.device)
         own = (pointer + torch.arange(q, device=valid.device))[:, None]
-        mask = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
+        visible = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
+        # additive, made once: SDPA would turn a boolean mask into one in every layer
+        mask = torch.zeros(visible.shape, dtype=self.attn_dtype, device=visible.device).masked_fill_(
+            ~visible, float("-inf"))
         taps = {}
         tap_set = set(tap_ids)
         up = self.upcast_rows is not None and logits_to_keep > 0 and q >= self.upcast_rows
@@ -199,10 +203,10 @@ class FastForward:
                 qk = torch.cat([_norm(L.q_norm, qk[:, :, :nh]), _norm(L.k_norm, qk[:, :, nh:])], 2)
             # RoPE on the query and key heads together: half the small ops of rotating each
             qk = qk.transpose(1, 2)  # [b, nh + nkv, q, d]
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + qk.roll(d // 2, -1) * sin
             qs, ks = qk[:, :nh], qk[:, nh:]
             vs = vs.view(b, q, nkv, d).transpose(1, 2)
-            keys, values = layer_cache.update(ks.to(self.attn_dtype), vs.to(self.attn_dtype))
+            keys, values = self._write(layer_cache, ks, vs, pointer)
             o = F.scaled_dot_product_attention(qs.to(self.attn_dtype), keys[:, :, :end], values[:, :, :end],
                                                attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa)
             x = x + _linear(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, up)
@@ -210,6 +214,7 @@ class FastForward:
             x = x + _linear(F.silu(gate) * lift, L.wdown, L.bdown, up)
             if i in tap_set:
                 taps[i] = x
+        torch._foreach_add_([c.cumulative_length for c in cache.layers], q)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return _linear(_norm(self.final_norm, x), self.head_weight, self.head_bias), taps
@@ -223,28 +228,42 @@ def fast_forward(model, quantize: str | None = None) -> FastForward:
     return built[quantize]
 
 
-RUNTIMES = ("auto", "fast", "fast-int8", "fast-int4", "hf")
+def compile_seconds(model) -> dict[str, float]:
+    """Seconds that each compiled step graph of `model` took to build so far (runtimes '*-compile')."""
+    built = model.__dict__.get("_dflash_fast_forward", {})
+    return {f"{graph} ({quantize or 'plain'})": sec for quantize, ff in built.items()
+            for graph, sec in ff.compile_seconds.items()}
+
+
+_FAST_RUNTIMES = ("fast", "fast-int8", "fast-int4")
+RUNTIMES = ("auto", *_FAST_RUNTIMES, *(f"{r}-compile" for r in _FAST_RUNTIMES), "hf")
 
 
 def make_adapter(model, layer_ids: list[int] | None, runtime: str = "auto") -> TargetAdapter:
     """The target adapter for `runtime`: 'fast' (the lean path), 'fast-int8' / 'fast-int4' (the lean path with
-    weight-only quantised linear layers: a different target), 'hf' (the model's own forward) or 'auto' (fast
-    when the model is one it covers)."""
+    weight-only quantised linear layers: a different target), any of these with '-compile' (its decode and
+    verify steps through torch.compile), 'hf' (the model's own forward) or 'auto' (fast when the model is one
+    it covers)."""
     if runtime not in RUNTIMES:
         raise DFlashConfigError(f"unknown runtime {runtime!r} (choose from {', '.join(RUNTIMES)})")
+    compile = runtime.endswith("-compile")
+    runtime = runtime.removesuffix("-compile")
     if runtime.startswith("fast-"):
-        return FastTargetAdapter(model, layer_ids, quantize=runtime.removeprefix("fast-"))
+        return FastTargetAdapter(model, layer_ids, quantize=runtime.removeprefix("fast-"), compile=compile)
     if runtime == "fast" or (runtime == "auto" and fast_unsupported(model) is None):
-        return FastTargetAdapter(model, layer_ids)
+        return FastTargetAdapter(model, layer_ids, compile=compile)
     return TargetAdapter(model, layer_ids)
 
 
 class FastTargetAdapter(TargetAdapter):
     """TargetAdapter whose forward is the lean path; the cache and its operations are the same."""
 
-    def __init__(self, model, layer_ids: list[int] | None = None, quantize: str | None = None):
+    def __init__(self, model, layer_ids: list[int] | None = None, quantize: str | None = None,
+                 compile: bool = False):
         super().__init__(model, layer_ids)
         self.fast = fast_forward(model, quantize)
+        self.compile = compile
 
     def _run(self, input_ids, position_ids, tap_ids, logits_to_keep):
-        return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep)
+        return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep,
+                         self.compile)

@@ -6,8 +6,18 @@ as the product itself (see the target forward time of `benchmarks/profile_step.p
 identical results: the same oneDNN kernel runs, only the reorder moves out of the loop. fp32 goes to a different BLAS whose
 summation order differs, so fp32 keeps `F.linear`: the fp32 paths stay bit-comparable with the HF model.
 
-The packed copy is cached per weight tensor and rebuilt when the weight changes in place (a training step)
-or is replaced; training itself (grad enabled) always takes `F.linear`.
+Where oneDNN cannot pack (an AVX2-only CPU has no bf16/fp16 kernels), PyTorch's fallback half-precision
+product costs about linearly in the rows: 8 rows cost 7 times one (`benchmarks/linear_rows.py`), where fp32
+costs 2 to 3 times. From WIDEN_ROWS rows on, `linear` then multiplies in fp32 by a widened copy of the weight
+and rounds the result back. That is not bitwise the half-precision product, which is fine for what uses this
+module: the drafts, whose proposals the target verifies (the target's fast runtime has its own rule, see
+`dflash.fast`).
+
+It also holds the weight-only int8 / int4 weights (PyTorch's CPU kernels) that the fast runtime's quantised
+targets multiply by, and that the drafts score their proposals with where the CPU has no half kernels.
+
+Packed and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
+step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 """
 
 from __future__ import annotations
@@ -19,8 +29,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .errors import DFlashConfigError
+
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
+_widened = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), fp32 copy)
+WIDEN_ROWS = 4
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
@@ -51,22 +65,37 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
 
 
-def packed_weight(w: torch.Tensor) -> PackedWeight:
-    """w packed, made on first use and again whenever w has changed in place or been replaced."""
+def _derived(table: WeakIdKeyDictionary, w: torch.Tensor, make):
+    """make(w), cached in `table`: made on first use and again whenever w has changed in place or been replaced."""
     # an inference tensor (made under inference_mode, e.g. a fused weight) keeps no version counter
     key = (None if w.is_inference() else w._version, w.data_ptr())
-    entry = _packed.get(w)
+    entry = table.get(w)
     if entry is None or entry[0] != key:
-        entry = _packed[w] = (key, PackedWeight(w))
+        entry = table[w] = (key, make(w))
     return entry[1]
 
 
+def packed_weight(w: torch.Tensor) -> PackedWeight:
+    """w packed (cached, see `_derived`)."""
+    return _derived(_packed, w, PackedWeight)
+
+
+def widens(w: torch.Tensor) -> bool:
+    """Whether products with the half-precision CPU weight w run in fp32 from WIDEN_ROWS rows on."""
+    return w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and not packable(w)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b), through the packed weight where that is exact and faster (see the module doc)."""
-    if (not packable(w) or x.dtype != w.dtype or torch.is_grad_enabled()
-            or (b is not None and b.dtype != w.dtype)):
+    """F.linear(x, w, b), through the packed weight where that is exact and faster, or for several rows in fp32
+    where the CPU has no half-precision kernels (see the module doc)."""
+    if x.dtype != w.dtype or torch.is_grad_enabled() or (b is not None and b.dtype != w.dtype):
         return F.linear(x, w, b)
-    return packed_weight(w).linear(x, b)
+    if packable(w):
+        return packed_weight(w).linear(x, b)
+    if widens(w) and x.numel() >= WIDEN_ROWS * x.shape[-1]:
+        wide = _derived(_widened, w, lambda t: t.detach().float())
+        return F.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
+    return F.linear(x, w, b)
 
 
 class Linear(nn.Linear):
@@ -74,3 +103,53 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class _WeightOnlyQuantized:
+    """A quantised weight whose PyTorch kernel takes 2-D inputs and no bias (`_matmul`)."""
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self._matmul(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if bias is None else y + bias
+
+
+class Int8Weight(_WeightOnlyQuantized):
+    """A weight quantised per output row to int8 (symmetric), multiplied by PyTorch's weight-only int8 kernel:
+    half the bytes of bf16 to stream through memory per token."""
+
+    def __init__(self, w: torch.Tensor):
+        w = w.detach()
+        scale = w.float().abs().amax(1).clamp(min=1e-12) / 127
+        self.qweight = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(w.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scale)
+
+
+class Int4Weight(_WeightOnlyQuantized):
+    """A weight quantised to 4 bits in groups of 32 inputs, each with its own scale and offset (asymmetric): the
+    layout of GGUF's Q4_1, so a model shipped as Q4_1 and de-quantised on load comes back to (almost exactly)
+    the grid it was stored on. Multiplied by PyTorch's weight-only int4 CPU kernel, which dequantises
+    w = (q - 8) * scale + zero on the fly: a quarter of the bytes of bf16 per token."""
+
+    GROUP = 32
+
+    def __init__(self, w: torch.Tensor):
+        out_features, in_features = w.shape
+        if in_features % self.GROUP:
+            raise DFlashConfigError(f"int4 needs the input size of every linear layer to be a multiple of "
+                                    f"{self.GROUP}; a weight has {in_features}")
+        groups = w.detach().float().view(out_features, in_features // self.GROUP, self.GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
+        scale = ((high - low) / 15).clamp(min=1e-12)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
+        zero = low + 8 * scale
+        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(w.dtype)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
