@@ -52,6 +52,18 @@ def test_mask_token_outside_vocab(pair):
         DFlashDraftModel.from_target(target, mask_token_id=500)
 
 
+def test_draft_vocabulary_outside_the_target_vocabulary():
+    target = tiny_target("llama", seed=0)
+    draft = DFlashDraftModel.from_target(target, block_size=4)
+    size = target.config.vocab_size
+    with pytest.raises(DFlashConfigError, match=f"token ids in 0..{size - 1} .* from 3 to {size}"):
+        draft.set_draft_vocab([3, 7, size])
+    with pytest.raises(DFlashConfigError, match="at least one token id"):
+        draft.set_draft_vocab([])
+    draft.set_draft_vocab([5, 3, 5])
+    assert draft.draft_vocab.tolist() == [3, 5]
+
+
 def test_prompt_problems(pair):
     target, draft = pair
     with pytest.raises(DFlashInputError, match="empty prompt"):

@@ -374,8 +374,16 @@ class DFlashDraftModel(nn.Module):
         """Restricts proposals to `token_ids` (None: the whole vocabulary). On a CPU the LM head over 15 mask
         slots can cost as much as the draft itself; the few thousand most frequent answer tokens cover most
         of the text. Proposals only: the target still verifies, so the output stays exact."""
-        self.draft_vocab = None if token_ids is None else torch.as_tensor(
-            token_ids, dtype=torch.long, device=self.fc.weight.device).unique()
+        if token_ids is not None:
+            token_ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.fc.weight.device).unique()
+            size = self.config.vocab_size
+            if token_ids.numel() == 0:
+                raise DFlashConfigError("a draft vocabulary needs at least one token id")
+            low, high = int(token_ids[0]), int(token_ids[-1])  # sorted by unique()
+            if low < 0 or high >= size:
+                raise DFlashConfigError(f"a draft vocabulary needs token ids in 0..{size - 1} (the target's "
+                                        f"vocabulary); got ids from {low} to {high}")
+        self.draft_vocab = token_ids
         self._head_cache = self._proposal_cache = None
 
     def _draft_head(self):
