@@ -151,27 +151,26 @@ class FastForward:
         compile: run decode and verify steps (logits_to_keep=0) through `torch.compile` (see `_compiled_step`);
         prompt passes, one-offs of any length, stay eager."""
         args = (input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
-        if compile and not logits_to_keep:
-            return self._compiled_step(*args)
-        return self._forward(*args)
+        if not compile or logits_to_keep:
+            return self._forward(*args)
+        b, q = input_ids.shape
+        return self._compiled_step(args, f"{'n rows' if b > 1 else '1 row'} x {'n tokens' if q > 1 else '1 token'}"
+                                         f"{', tapped' * bool(tap_ids)}")
 
-    def _compiled_step(self, input_ids, *args):
-        """The step through torch.compile, built on first use. Shapes are dynamic, so a filling or growing
-        cache, another verify width or batch size does not recompile; torch specialises sizes of 1, so one or
-        more rows and one or more tokens are graphs of their own, and so are steps that tap hidden states for a
-        draft. Each graph is traced and compiled on its first call, which is timed into `compile_seconds` and
-        logged. Inductor keeps the compiled code on disk (under DFLASH_HOME unless TORCHINDUCTOR_CACHE_DIR says
-        otherwise), so a later process only traces again."""
+    def _compiled_step(self, args: tuple, graph: str):
+        """The step through torch.compile, built on first use; `graph` names the graph it runs. Shapes are
+        dynamic, so a filling or growing cache, another verify width or batch size does not recompile; torch
+        specialises sizes of 1, so one or more rows and one or more tokens are graphs of their own, and so are
+        steps that tap hidden states for a draft. Each graph is traced and compiled on its first call, which is
+        timed into `compile_seconds` and logged. Inductor keeps the compiled code on disk (under DFLASH_HOME
+        unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a later process only traces again."""
         if self._compiled is None:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dflash_home() / "inductor"))
             self._compiled = torch.compile(self._forward, dynamic=True)
-        b, q = input_ids.shape
-        tapped = bool(args[-2])
-        graph = f"{'n rows' if b > 1 else '1 row'} x {'n tokens' if q > 1 else '1 token'}{', tapped' * tapped}"
         if graph in self.compile_seconds:
-            return self._compiled(input_ids, *args)
+            return self._compiled(*args)
         t = time.perf_counter()
-        out = self._compiled(input_ids, *args)
+        out = self._compiled(*args)
         self.compile_seconds[graph] = time.perf_counter() - t
         log.info("torch.compile: the %s step took %.1f s to trace and compile", graph, self.compile_seconds[graph])
         return out

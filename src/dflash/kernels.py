@@ -85,9 +85,12 @@ def widens(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and not packable(w)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b), through the packed weight where that is exact and faster, or for several rows in fp32
-    where the CPU has no half-precision kernels (see the module doc)."""
+    where the CPU has no half-precision kernels (see the module doc). w may also be a quantised weight
+    (Int8Weight, Int4Weight), multiplied by its own kernel."""
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
     if x.dtype != w.dtype or torch.is_grad_enabled() or (b is not None and b.dtype != w.dtype):
         return F.linear(x, w, b)
     if packable(w):
