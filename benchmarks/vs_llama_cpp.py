@@ -22,9 +22,12 @@ import torch
 
 from dflash import ar_generate, spec_generate
 from dflash.bench import BENCH_SETS
+from dflash.fast import compile_seconds
 from dflash.loading import DEFAULT_MODEL, alias_gguf, hardware, load_draft, load_target, shipped_draft
 from dflash.prompts import read_prompts
 from dflash.regenerate import encode_prompt
+
+LLAMA_CPP = "llama.cpp (gguf as is)"
 
 
 def main():
@@ -61,7 +64,7 @@ def main():
         def llama_cpp(ids):
             return llm.create_completion(ids, max_tokens=n, temperature=0.0, top_k=1)
 
-        methods["llama.cpp (gguf as is)"] = llama_cpp
+        methods[LLAMA_CPP] = llama_cpp
     except ImportError:
         print("vs_llama_cpp: llama-cpp-python is not installed; measuring our side only", file=sys.stderr)
 
@@ -84,13 +87,19 @@ def main():
                 rates[m].append(count / seconds)
                 counts[m].append(count)
     med = {m: statistics.median(r) for m, r in rates.items()}
-    print(f"{'method':30s} {'median tok/s':>12s}  per prompt ({len(encoded)} prompts, {args.threads} threads)")
+    ref = med.get(LLAMA_CPP)
+    built = compile_seconds(target)
+    if built:
+        print(f"torch.compile (warm-up): {', '.join(f'{k} {v:.0f} s' for k, v in built.items())}")
+    print(f"{'method':34s} {'median tok/s':>12s} {'vs llama.cpp':>12s}  per prompt ({len(encoded)} prompts, "
+          f"{args.threads} threads)")
     for m, r in rates.items():
-        print(f"{m:30s} {med[m]:12.1f}  {', '.join(f'{x:.1f}' for x in r)}")
-    print(json.dumps({"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads, "max_new_tokens": n,
-                      "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
-                      "new_tokens": counts}))
-
+        vs = f"{med[m] / ref:11.2f}x" if ref else f"{'-':>12s}"
+        print(f"{m:34s} {med[m]:12.1f} {vs}  {', '.join(f'{x:.1f}' for x in r)}")
+    print(json.dumps({"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads,
+                      "max_new_tokens": n, "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+                      "ratio_to_llama_cpp": {m: round(v / ref, 3) for m, v in med.items()} if ref else None,
+                      "compile_seconds": built, "new_tokens": counts}))
 
 if __name__ == "__main__":
     main()

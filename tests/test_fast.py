@@ -4,7 +4,7 @@ family it covers, exact greedy generation, and the fallback for families it does
 import pytest
 import torch
 
-from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash import DFlashDraftModel, ar_generate, kernels, spec_generate
 from dflash.errors import DFlashConfigError
 from dflash.fast import FastTargetAdapter, Int4Weight, fast_unsupported, make_adapter
 from dflash.target import TargetAdapter
@@ -99,36 +99,45 @@ def test_int4_recovers_weights_stored_on_a_4_bit_grid():
         Int4Weight(torch.randn(8, 40))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_long_prompt_pass_multiplies_in_fp32_where_the_cpu_has_no_bf16_kernels(arch, monkeypatch):
+@pytest.mark.parametrize("arch,runtime,packs", [("llama", "fast", False), ("qwen3", "fast", False),
+                                               ("llama", "fast-int4", True), ("qwen3", "fast-int8", False)])
+def test_a_long_prompt_pass_multiplies_by_the_models_own_weights(arch, runtime, packs, monkeypatch):
+    # where the CPU has no bf16 kernels (AVX2-only), or the runtime's kernels are quantised, a long prompt pass
+    # multiplies by the HF layers' weights (in fp32 without bf16 kernels); every later step keeps the runtime's
     from dflash import fast, kernels
 
-    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)  # an AVX2-only CPU
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: packs)
     target = tiny_target(arch, seed=6).bfloat16()
-    assert fast.fast_forward(target).upcast_rows == fast.PROMPT_UPCAST_ROWS
-    assert fast.fast_forward(tiny_target(arch, seed=6)).upcast_rows is None  # fp32 has nothing to widen
+    quantize = None if runtime == "fast" else runtime.removeprefix("fast-")
+    ff = fast.fast_forward(target, quantize)
+    assert ff.dense_rows == fast.PROMPT_DENSE_ROWS and ff.upcast == (not packs)
+    assert fast.fast_forward(tiny_target(arch, seed=6)).dense_rows is None  # fp32 has nothing to widen
     calls = []
-    plain_linear = fast._linear
-    monkeypatch.setattr(fast, "_linear", lambda x, w, b=None, upcast=False: (
-        calls.append((x.shape[-2], upcast)), plain_linear(x, w, b, upcast))[1])
+    dense, plain = fast._dense_linear, fast._linear
+    monkeypatch.setattr(fast, "_dense_linear", lambda x, parts, upcast: (
+        calls.append((x.shape[-2], "dense", upcast)), dense(x, parts, upcast))[1])
+    monkeypatch.setattr(fast, "_linear", lambda x, w, b=None: (
+        calls.append((x.shape[-2], type(w).__name__, None)), plain(x, w, b))[1])
     ids, mask = ragged_batch([20, 13], seed=7)  # padded to 20 tokens: one prompt pass of 20 rows per sequence
-    ar = ar_generate(target, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime="fast")
-    prompt_pass = {up for rows, up in calls if rows == 20}
-    later = {up for rows, up in calls if rows != 20}
-    assert prompt_pass == {True} and later == {False}  # the LM head of the prompt pass keeps one row
+    ar = ar_generate(target, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime=runtime)
+    prompt_pass = {(kind, upcast) for rows, kind, upcast in calls if rows == 20}
+    later = {kind for rows, kind, _ in calls if rows != 20}
+    assert prompt_pass == {("dense", not packs)}  # the LM head of the prompt pass keeps one row
+    assert later == {"Tensor" if quantize is None else {"int8": "Int8Weight", "int4": "Int4Weight"}[quantize]}
     for B in (2, 8):  # plain and speculative decoding share that prompt pass: still exact against each other
         draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
-        spec = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime="fast")
+        spec = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime=runtime)
         assert torch.equal(spec, ar), B
-    # and the widened pass computes what the bf16 kernel would, up to bf16 rounding
+    # and the dense pass computes the hidden states that the unquantised runtime's kernels would, up to their
+    # rounding (its one-row LM head is the runtime's own)
     pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    fast.fast_forward(target).dense_rows = 10 ** 6
     out = {}
-    for rows in (fast.PROMPT_UPCAST_ROWS, 10 ** 6):
-        fast.fast_forward(target).upcast_rows = rows
-        a = make_adapter(target, None, "fast")
+    for rt in (runtime, "fast"):
+        a = make_adapter(target, [1, 3], rt)
         a.reset(2, 32)
-        out[rows] = a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)[0].float()
-    assert torch.allclose(out[fast.PROMPT_UPCAST_ROWS], out[10 ** 6], atol=0.1, rtol=0.05)
+        out[rt] = a.forward(ids, pos, capture=True, slot_valid=mask.bool(), logits_to_keep=1)[1].float()
+    assert torch.allclose(out[runtime], out["fast"], atol=0.1, rtol=0.05)
 
 
 def test_compiled_runtime_decodes_as_the_eager_one():
@@ -143,3 +152,25 @@ def test_compiled_runtime_decodes_as_the_eager_one():
     # the decode and the verify steps were compiled (each timed once); the prompt pass was not
     assert set(make_adapter(target, None, "fast-compile").fast.compile_seconds) == {"n rows x 1 token",
                                                                                   "n rows x n tokens, tapped"}
+
+
+@pytest.mark.skipif(not kernels.packable(torch.zeros(8, 8, dtype=torch.bfloat16)),
+                    reason="no oneDNN bf16 weight packing on this CPU: nothing packed to compile through")
+def test_compiled_runtime_multiplies_by_the_packed_bf16_weights():
+    # packed weights have oneDNN's own layout, which torch.compile can only call through dflash::packed_linear
+    ids, mask = ragged_batch([6], seed=9)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    bf16 = tiny_target("llama", seed=8).bfloat16()
+    logits = {}
+    for name, target, runtime in (("fp32", tiny_target("llama", seed=8), "fast"), ("eager", bf16, "fast"),
+                                  ("compiled", bf16, "fast-compile")):
+        a = make_adapter(target, None, runtime)
+        assert isinstance(a.fast.layers[0].wqkv, kernels.PackedWeight) == (target is bf16)
+        a.reset(1, 16)
+        a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)  # the prompt, eager
+        logits[name] = a.forward(ids[:, -1:], pos[:, -1:] + 1, capture=False)[0].float()  # a decode step
+    assert make_adapter(bf16, None, "fast-compile").fast.compile_seconds.keys() == {"1 row x 1 token"}
+    # inductor fuses the elementwise ops around the products, so its bf16 roundings differ from eager's: both
+    # stay as close to the fp32 model
+    err = {k: (logits[k] - logits["fp32"]).abs().max().item() for k in ("eager", "compiled")}
+    assert 0 < err["compiled"] < 2 * err["eager"] + 0.05, err

@@ -44,7 +44,7 @@ def fast_unsupported(model) -> str | None:
 
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
-PROMPT_UPCAST_ROWS = 16  # prompt tokens from which a prompt pass multiplies in fp32 (CPUs without half kernels)
+PROMPT_DENSE_ROWS = 16  # prompt tokens from which a prompt pass multiplies by the model's own weights, see dense_rows
 
 
 def _prepared(w: torch.Tensor, quantize: str | None):
@@ -54,12 +54,17 @@ def _prepared(w: torch.Tensor, quantize: str | None):
     return PackedWeight(w) if packable(w) else w.detach()
 
 
-def _linear(x: torch.Tensor, w, b=None, upcast: bool = False) -> torch.Tensor:
-    if not isinstance(w, torch.Tensor):
-        return w.linear(x, b)
-    if upcast:  # see FastForward.upcast_rows
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-    return F.linear(x, w, b)
+def _linear(x: torch.Tensor, w, b=None) -> torch.Tensor:
+    return F.linear(x, w, b) if isinstance(w, torch.Tensor) else w.linear(x, b)
+
+
+def _dense_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], upcast: bool) -> torch.Tensor:
+    """x times the model's own weights of `parts` (a fused product's HF layers, outputs concatenated), in fp32
+    where `upcast`, rounded back to x's dtype: a long prompt pass, see FastForward.dense_rows."""
+    xs = x.float() if upcast else x
+    ys = [F.linear(xs, m.weight.float() if upcast else m.weight,
+                   None if m.bias is None else (m.bias.float() if upcast else m.bias)) for m in parts]
+    return (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)
 
 
 def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +88,8 @@ class _Layer:
         self.bgu = torch.cat([m.gate_proj.bias, m.up_proj.bias]).detach() if m.gate_proj.bias is not None else None
         self.wdown, self.bdown = _prepared(m.down_proj.weight, quantize), m.down_proj.bias
         self.wqkv, self.wgu = _prepared(self.wqkv, quantize), _prepared(self.wgu, quantize)
+        # the same products by the HF layers' own weights, for long prompt passes (FastForward.dense_rows)
+        self.parts = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
 
 
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -118,15 +125,18 @@ class FastForward:
         # on the CPU, bf16/fp16 attention kernels for a few queries over a long cache are several times slower
         # than fp32 ones, so there the cache holds fp32
         self.attn_dtype = torch.float32 if on_cpu else dtype
-        # Where the CPU has no bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's
-        # fallback costs about linearly in the rows, several times an fp32 product for a prompt's hundreds. A
-        # prompt pass of PROMPT_UPCAST_ROWS tokens or more then multiplies in fp32 by weights widened on the fly
-        # (they widen exactly; only the summation order differs) and rounds back. Only the prompt pass: every
-        # later step, decode or verify, keeps the model's own kernel, so plain and speculative decoding still
-        # share every product after the prompt, and the prompt pass itself.
-        plain_half = (on_cpu and dtype in (torch.bfloat16, torch.float16)
-                      and isinstance(self.layers[0].wqkv, torch.Tensor))  # neither packed nor quantised
-        self.upcast_rows = PROMPT_UPCAST_ROWS if plain_half else None
+        # Kernels made for the few rows of a step can be slow for a prompt's hundreds. Where the CPU has no
+        # bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's fallback costs about
+        # linearly in the rows, several times an fp32 product; the weight-only int8/int4 kernels are
+        # compute-bound on many rows too (twice the time of the bf16 prompt pass on an AVX-512 CPU). A prompt
+        # pass of `dense_rows` tokens or more then multiplies by the HF layers' own weights, in fp32 (widened
+        # on the fly: exactly; only the summation order differs) where the CPU has no half kernels, and rounds
+        # back. Only the prompt pass: every later step, decode or verify, keeps the runtime's own kernels, so
+        # plain and speculative decoding still share every product after the prompt, and the prompt pass
+        # itself. (A quantised target's prompt is thereby read by the weights it was quantised from.)
+        half = on_cpu and dtype in (torch.bfloat16, torch.float16)
+        self.upcast = half and not packable(model.get_output_embeddings().weight)
+        self.dense_rows = PROMPT_DENSE_ROWS if (quantize is not None or self.upcast) else None
         self._compiled = None
         self.compile_seconds: dict[str, float] = {}  # shape class -> seconds of its first (compiling) call
 
@@ -192,10 +202,13 @@ class FastForward:
             ~visible, float("-inf"))
         taps = {}
         tap_set = set(tap_ids)
-        up = self.upcast_rows is not None and logits_to_keep > 0 and q >= self.upcast_rows
+        dense = self.dense_rows is not None and logits_to_keep > 0 and q >= self.dense_rows
+
+        def mm(x, w, b, parts):
+            return _dense_linear(x, parts, self.upcast) if dense else _linear(x, w, b)
         for i, (L, layer_cache) in enumerate(zip(self.layers, cache.layers)):
             h = _norm(L.ln1, x)
-            qkv = _linear(h, L.wqkv, L.bqkv, up)
+            qkv = mm(h, L.wqkv, L.bqkv, L.parts[0])
             qk, vs = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
             qk = qk.view(b, q, nh + nkv, d)
             if L.q_norm is not None:
@@ -208,9 +221,9 @@ class FastForward:
             keys, values = self._write(layer_cache, ks, vs, pointer)
             o = F.scaled_dot_product_attention(qs.to(self.attn_dtype), keys[:, :, :end], values[:, :, :end],
                                                attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa)
-            x = x + _linear(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, up)
-            gate, lift = _linear(_norm(L.ln2, x), L.wgu, L.bgu, up).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * lift, L.wdown, L.bdown, up)
+            x = x + mm(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, L.parts[1])
+            gate, lift = mm(_norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
+            x = x + mm(F.silu(gate) * lift, L.wdown, L.bdown, L.parts[3])
             if i in tap_set:
                 taps[i] = x
         torch._foreach_add_([c.cumulative_length for c in cache.layers], q)

@@ -23,6 +23,7 @@ step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 from __future__ import annotations
 
 import functools
+from weakref import WeakValueDictionary
 
 import torch
 import torch.nn as nn
@@ -56,13 +57,35 @@ def packable(w: torch.Tensor) -> bool:
 
 
 class PackedWeight:
-    """A weight [out, in] packed once; the fast runtime holds these for its frozen weight snapshots."""
+    """A weight [out, in] packed once; the fast runtime holds these for its frozen weight snapshots.
+
+    Inside torch.compile the product goes through the opaque op `dflash::packed_linear`, which names the weight
+    by a key: the packed tensor has oneDNN's own layout, which neither fake tensors nor inductor's lowering of
+    `_linear_pointwise` (made for the weights its own freezing packs) can take as a graph input."""
 
     def __init__(self, w: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        self.out_features = w.shape[0]
+        self.key = f"{id(self):x}"
+        _by_key[self.key] = self
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.dflash.packed_linear(x, self.key, b)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
+
+
+_by_key: "WeakValueDictionary[str, PackedWeight]" = WeakValueDictionary()
+
+
+@torch.library.custom_op("dflash::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, key: str, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _by_key[key].packed, b, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, key: str, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _by_key[key].out_features)
 
 
 def _derived(table: WeakIdKeyDictionary, w: torch.Tensor, make):
