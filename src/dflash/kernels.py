@@ -23,6 +23,7 @@ step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 from __future__ import annotations
 
 import functools
+import itertools
 from weakref import WeakValueDictionary
 
 import torch
@@ -66,7 +67,7 @@ class PackedWeight:
     def __init__(self, w: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         self.out_features = w.shape[0]
-        self.key = f"{id(self):x}"
+        self.key = f"w{next(_keys)}"
         _by_key[self.key] = self
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -76,6 +77,7 @@ class PackedWeight:
 
 
 _by_key: "WeakValueDictionary[str, PackedWeight]" = WeakValueDictionary()
+_keys = itertools.count()
 
 
 @torch.library.custom_op("dflash::packed_linear", mutates_args=())
