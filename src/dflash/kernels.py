@@ -73,7 +73,11 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.dflash.packed_linear(x, self.key, b)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
+        return _packed_product(x, self.packed, b)
+
+
+def _packed_product(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
 
 
 _by_key: "WeakValueDictionary[str, PackedWeight]" = WeakValueDictionary()
@@ -82,7 +86,7 @@ _keys = itertools.count()
 
 @torch.library.custom_op("dflash::packed_linear", mutates_args=())
 def _packed_linear(x: torch.Tensor, key: str, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _by_key[key].packed, b, "none", [], "")
+    return _packed_product(x, _by_key[key].packed, b)
 
 
 @_packed_linear.register_fake
