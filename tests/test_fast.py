@@ -154,6 +154,44 @@ def test_compiled_runtime_decodes_as_the_eager_one():
                                                                                   "n rows x n tokens, tapped"}
 
 
+def test_each_runtime_of_a_model_runs_its_own_compiled_graphs():
+    # the compiled steps do not guard on the forward's own weights (FastForward._compiled_step), so a graph built
+    # for one FastForward must never run for another: here the plain and the int8 forwards of one model
+    target = tiny_target("llama", seed=6)
+    ids, mask = ragged_batch([5, 8], seed=3)
+    kw = dict(max_new_tokens=8, stop_token_ids=[])
+    for runtime in ("fast", "fast-int8"):
+        compiled = ar_generate(target, ids, mask, runtime=f"{runtime}-compile", **kw)
+        assert torch.equal(compiled, ar_generate(target, ids, mask, runtime=runtime, **kw)), runtime
+    assert all(make_adapter(target, None, f"{r}-compile").fast.compile_seconds for r in ("fast", "fast-int8"))
+
+
+def test_compiled_draft_proposes_and_writes_context_as_the_eager_one():
+    from dflash.model import DraftKVCache
+
+    target = tiny_target("llama", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4)
+    torch.manual_seed(0)
+    feats = torch.randn(2, 9, draft.config.num_context_features * draft.config.hidden_size)
+    block = torch.tensor([[5, 3, 3, 3], [7, 3, 3, 3]])
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[0, :2] = False
+    out = {}
+    with torch.inference_mode():
+        for compile in (False, True):
+            cache = DraftKVCache(draft.config, 2, 16, "cpu", torch.float32)
+            cache.positions[:, :13] = torch.arange(13)
+            draft.write_context(feats, cache, 0, compile=compile)
+            proposal = draft.propose(block, torch.arange(9, 13).expand(2, 4), cache, valid, compile=compile)
+            out[compile] = (cache.keys, proposal)
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-5) and torch.equal(out[True][1], out[False][1])
+    # the graphs skip the guards on the draft's weights, so a replaced weight gets new graphs
+    graphs = draft.compiled()
+    assert draft.compiled() == graphs
+    draft.fc.weight = torch.nn.Parameter(draft.fc.weight.detach().clone())
+    assert all(new is not old for new, old in zip(draft.compiled(), graphs))
+
+
 @pytest.mark.skipif(not kernels.packable(torch.zeros(8, 8, dtype=torch.bfloat16)),
                     reason="no oneDNN bf16 weight packing on this CPU: nothing packed to compile through")
 def test_compiled_runtime_multiplies_by_the_packed_bf16_weights():

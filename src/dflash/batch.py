@@ -41,6 +41,8 @@ class SpecBatch:
         # those tokens: (features, next ids or None = the rest of the chunk then the anchor, last row index)
         self.eagle = draft if isinstance(draft, Eagle3DraftModel) else None
         self.adapter = make_adapter(target, draft.config.target_layer_ids if draft is not None else None, runtime)
+        # the target's steps are compiled: the draft's too (asked only then, so drafts without the option work)
+        self.draft_kw = {"compile": True} if runtime.endswith("-compile") else {}
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out
         self.dcache: DraftKVCache | None = None
         self.pending: tuple[torch.Tensor, int] | None = None  # target features not yet in the draft cache, slot
@@ -121,7 +123,7 @@ class SpecBatch:
         elif self.draft is not None:
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
-                                          self.adapter.valid[:, :self.pointer])
+                                          self.adapter.valid[:, :self.pointer], **self.draft_kw)
             verify_ids = torch.cat([anchor, proposal], 1)
         else:
             verify_ids = anchor
@@ -162,7 +164,7 @@ class SpecBatch:
         feats, slot = self.pending
         self.pending = None
         if self.eagle is None:
-            self.draft.write_context(feats, self.dcache, slot)
+            self.draft.write_context(feats, self.dcache, slot, **self.draft_kw)
             return
         ids, next_ids, last = self._chunk
         if next_ids is None:

@@ -11,7 +11,6 @@ needs are read as the layers go.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from .errors import DFlashConfigError
 from .kernels import Int4Weight, Int8Weight, PackedWeight, packable
-from .loading import dflash_home
+from .compiled import compile_frozen
 from .target import TargetAdapter, decoder_layers
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -172,11 +171,11 @@ class FastForward:
         dynamic, so a filling or growing cache, another verify width or batch size does not recompile; torch
         specialises sizes of 1, so one or more rows and one or more tokens are graphs of their own, and so are
         steps that tap hidden states for a draft. Each graph is traced and compiled on its first call, which is
-        timed into `compile_seconds` and logged. Inductor keeps the compiled code on disk (under DFLASH_HOME
-        unless TORCHINDUCTOR_CACHE_DIR says otherwise), so a later process only traces again."""
+        timed into `compile_seconds` and logged. A FastForward never changes after it is built, so it compiles
+        with `compile_frozen`: dynamo does not check its some 300 weight tensors before every step."""
         if self._compiled is None:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dflash_home() / "inductor"))
-            self._compiled = torch.compile(self._forward, dynamic=True)
+            self._compiled = compile_frozen(self._forward, (self.embed, self.rotary, self.final_norm,
+                                                            self.head_weight, self.head_bias, *self.layers))
         if graph in self.compile_seconds:
             return self._compiled(*args)
         t = time.perf_counter()

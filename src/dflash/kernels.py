@@ -120,6 +120,10 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     (Int8Weight, Int4Weight), multiplied by its own kernel."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x, b)
+    if torch.compiler.is_compiling():
+        # the packed and widened copies are caches, remade when the weight changes: inside a compiled graph
+        # the product is one opaque op that picks them when it runs
+        return torch.ops.dflash.linear(x, w, b)
     if x.dtype != w.dtype or torch.is_grad_enabled() or (b is not None and b.dtype != w.dtype):
         return F.linear(x, w, b)
     if packable(w):
@@ -128,6 +132,16 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         wide = _derived(_widened, w, lambda t: t.detach().float())
         return F.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
     return F.linear(x, w, b)
+
+
+@torch.library.custom_op("dflash::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, w, b)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 class Linear(nn.Linear):

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .compiled import compile_frozen
 from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
 from .errors import DFlashConfigError
 from .kernels import Int8Weight, Linear, linear, widens
@@ -182,6 +183,7 @@ class DFlashDraftModel(nn.Module):
         # optional: the token ids the draft may propose (its LM head is evaluated on these rows only)
         self.register_buffer("draft_vocab", None)
         self._head_cache = self._proposal_cache = None
+        self._compiled = None  # see compiled()
 
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
@@ -334,13 +336,15 @@ class DFlashDraftModel(nn.Module):
         rope = self.rotary_emb(ctx, positions)
         return [layer.self_attn.kv(ctx, *rope) for layer in self.layers]
 
-    def write_context(self, target_features: torch.Tensor, cache: DraftKVCache, slot: int) -> None:
+    def write_context(self, target_features: torch.Tensor, cache: DraftKVCache, slot: int,
+                      compile: bool = False) -> None:
         """Adds target features [b, n, num_ids*H] to the cache at slots slot..slot+n (their absolute positions
-        must already be in cache.positions)."""
+        must already be in cache.positions). compile: through torch.compile (see `compiled`)."""
         n = target_features.shape[1]
         if n == 0:
             return
-        for i, (k, v) in enumerate(self.context_kv(target_features, cache.positions[:, slot:slot + n])):
+        context_kv = self.compiled()[1] if compile else self.context_kv
+        for i, (k, v) in enumerate(context_kv(target_features, cache.positions[:, slot:slot + n])):
             cache.keys[i, :, :, slot:slot + n] = k
             cache.values[i, :, :, slot:slot + n] = v
 
@@ -407,10 +411,24 @@ class DFlashDraftModel(nn.Module):
         return self._proposal_cache[1:]
 
     def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
-                ctx_valid: torch.Tensor) -> torch.Tensor:
+                ctx_valid: torch.Tensor, compile: bool = False) -> torch.Tensor:
         """Greedy draft tokens [b, B-1] for the mask slots of each block (greedy even when the target samples:
-        a one-hot proposal keeps acceptance high and the verification rule keeps the output exact)."""
-        return self.greedy_tokens(self(block_ids, block_pos, cache, ctx_valid)[:, 1:])
+        a one-hot proposal keeps acceptance high and the verification rule keeps the output exact).
+        compile: the layers through torch.compile (see `compiled`); the head stays eager."""
+        body = self.compiled()[0] if compile else self
+        return self.greedy_tokens(body(block_ids, block_pos, cache, ctx_valid)[:, 1:])
+
+    def compiled(self):
+        """(forward, context_kv) through torch.compile for inference (`dflash.compiled.compile_frozen`: no guards
+        on the weights before every call). Built on first use, and again whenever a tensor of the draft or of
+        the borrowed embedding is replaced or changes dtype, shape or device; values written in place need
+        nothing, the graphs read the tensors at every call."""
+        tensors = (*self.parameters(), *self.buffers(), self.embed_tokens.weight)
+        key = tuple((id(t), t.dtype, t.shape, t.device) for t in tensors)
+        if self._compiled is None or self._compiled[0] != key:
+            state = (self, self.embed_tokens)
+            self._compiled = (key, compile_frozen(self.forward, state), compile_frozen(self.context_kv, state))
+        return self._compiled[1:]
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax token ids [b, n] of final (normed) states hidden [b, n, H], over the draft vocabulary if set."""
