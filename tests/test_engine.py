@@ -125,3 +125,29 @@ def test_text_stream_cuts_at_stop_strings_and_holds_back_their_starts():
     assert ts.push([2, 3]) == ""  # "decfcd" may go on to "cde"
     assert ts.push([4, 0]) == ""  # "decfcdea": stop found, the text ends before it
     assert ts.stopped and ts.text == "decf"
+
+
+def test_warm_up_builds_every_graph_that_serving_runs():
+    # on the real model a graph compiled mid-run stalls every user for tens of seconds: after warm_up, one to
+    # three rows, rows joining mid-decode, prompts of other lengths and every verify width compile nothing more
+    from torch._dynamo.utils import counters
+
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    ps = prompts([5, 17, 3, 26, 9], seed=4)
+    max_tokens = [20, 9, 30, 14, 11]
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=3, prefill_tokens=8, runtime="fast-compile"))
+    engine.warm_up(prompts([7], seed=5)[0])
+    assert engine.graphs_built and not engine.runner.width_plan
+    built = counters["stats"]["unique_graphs"]
+    engine.graphs_built = False  # a graph the warm-up missed would now be compiled, and counted
+    engine.runner.width_plan.extend([2, 3, 1, 4, 1, 1, 3, 2] * 4)  # what the controller may choose, each width
+    seqs = [engine.add_request(p, max_tokens=n) for p, n in zip(ps[:3], max_tokens[:3])]
+    for _ in range(4):
+        engine.step()
+    seqs += [engine.add_request(p, max_tokens=n) for p, n in zip(ps[3:], max_tokens[3:])]
+    while engine.has_work():
+        engine.step()
+    assert counters["stats"]["unique_graphs"] == built
+    for s, p, n in zip(seqs, ps, max_tokens):
+        assert s.output_ids == expected(target, p, n)

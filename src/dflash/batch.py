@@ -100,7 +100,9 @@ class SpecBatch:
         """
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
-        block_pos = block_pos[:, :width]
+        # fresh row-major strides whatever the width (a one-row slice counts as contiguous with its parent's
+        # strides): a compiled step's graph is specific to its inputs' stride pattern
+        block_pos = block_pos[:, :width].clone(memory_format=torch.contiguous_format)
         if self.draft is not None and (width > 1 or self.eagle is not None):
             # pending target features go into the draft cache before the draft reads it; plain steps leave
             # them pending and `commit` appends theirs, so a run of plain steps writes its context in one go
@@ -115,7 +117,7 @@ class SpecBatch:
             # the target's own token, so acceptance stays exact
             rows = [f + [int(a)] * (q - 1 - len(f)) for f, a in zip(found, anchor[:, 0].tolist())]
             verify_ids = torch.cat([anchor, torch.tensor(rows, dtype=torch.long, device=anchor.device)], 1)
-            block_pos = block_pos[:, :q]
+            block_pos = block_pos[:, :q].clone(memory_format=torch.contiguous_format)
         elif self.eagle is not None:
             proposal = self.eagle.chain(*self._chain_start, self.dcache, self.adapter.valid[:, :self.pointer],
                                         width - 1)

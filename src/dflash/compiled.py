@@ -10,16 +10,21 @@ while the compiled method is in use, `compile_frozen`
 - compiles a copy of the method with a code object of its own: dynamo keeps graphs per code object, so no
   other object can ever run a graph whose guards on `self` were dropped.
 The graphs still read the tensors from the object at every call, so new values written in place are seen.
+
+They also trace without duck shapes: by default dynamo gives sizes that happen to be equal when it traces
+(two rows verifying blocks of two) one symbol, and would compile again for the first step where they differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import types
 
 import torch
 import torch.nn as nn
+from torch.fx.experimental import _config as shape_config
 
 from .loading import dflash_home
 
@@ -55,11 +60,31 @@ def _guards_off_self(entries) -> list[bool]:
     return [not e.name.startswith(("self.", "self[")) for e in entries]
 
 
-def compile_frozen(method, state) -> types.MethodType:
+def compile_frozen(method, state):
     """torch.compile(method, dynamic=True) for a bound method whose object holds the tensors of `state`
     (see the module doc). Inductor keeps compiled code on disk under DFLASH_HOME unless
     TORCHINDUCTOR_CACHE_DIR says otherwise, so a later process only traces again."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dflash_home() / "inductor"))
     for t in tensors_of(state):
         torch._dynamo.mark_static(t)
-    return torch.compile(_own_copy(method), dynamic=True, options={"guard_filter_fn": _guards_off_self})
+    compiled = torch.compile(_own_copy(method), dynamic=True, options={"guard_filter_fn": _guards_off_self})
+
+    def call(*args, **kwargs):
+        # read when dynamo traces; set around every call, as tracing starts inside one (a few µs)
+        duck, shape_config.use_duck_shape = shape_config.use_duck_shape, False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            shape_config.use_duck_shape = duck
+    return call
+
+
+@contextlib.contextmanager
+def built_graphs_only():
+    """Compiled functions run only the graphs they already have: a call that would compile runs eagerly. (The
+    functional form of torch.compiler.set_stance: its context manager costs about 0.1 ms.)"""
+    torch.compiler.set_stance("eager_on_recompile")
+    try:
+        yield
+    finally:
+        torch.compiler.set_stance("default")

@@ -8,9 +8,11 @@ prefilled), and `LLMEngine.step` ties them together. HTTP lives in `server.py` o
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,11 +20,14 @@ import torch
 
 from .adaptive import WidthController
 from .batch import SpecBatch, prompt_positions
+from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
 from .model import DFlashDraftModel
 from .regenerate import left_pad
 from .sampling import SamplingParams, choose_tokens
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -228,8 +233,10 @@ class ModelRunner:
         self.max_verify_tokens = max_verify_tokens
         self.rows: list[Sequence] = []  # running sequences, in batch-row order
         self.batch = SpecBatch(target, draft, self.B, self.max_capacity, runtime)
-        self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
-        self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
+        with torch.inference_mode():  # see LLMEngine.step
+            self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
+            self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
+        self.width_plan: deque[int] = deque()  # widths of the next decode steps, ahead of the controller
         self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     def start_prefill(self, seqs: list[Sequence]) -> None:
@@ -241,7 +248,6 @@ class ModelRunner:
         job.start(len(seqs), P + self.B)
         self._prefill = (job, ids, pos, mask, 0)
 
-    @torch.inference_mode()
     def prefill_chunk(self, seqs: list[Sequence], budget: int) -> list[int] | None:
         """Prefills the next chunk of the admitted prompts; when the last chunk is done, chooses each one's
         first token, moves the rows into the running batch and returns those tokens."""
@@ -260,15 +266,16 @@ class ModelRunner:
         self.anchor_pos = torch.cat([self.anchor_pos, mask.sum(1)])
         return first.tolist()
 
-    @torch.inference_mode()
     def decode(self) -> tuple[list[list[int]], list[int]]:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
         length (the cache keeps them all; a row that stops early is removed before the next step)."""
         t0 = time.perf_counter()
         j = torch.arange(self.B, device=self.device)
         width = max(1, min(self.B, self.max_verify_tokens // len(self.rows)))
-        adaptive = self.widths is not None and not any(s.seeded for s in self.rows)
-        if adaptive:
+        adaptive = self.widths is not None and not any(s.seeded for s in self.rows) and not self.width_plan
+        if self.width_plan:
+            width = min(width, self.width_plan.popleft())
+        elif adaptive:
             width = self.widths.choose(len(self.rows), width)
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            lambda logits: _choose_per_row(logits, self.rows), width=width)
@@ -319,6 +326,7 @@ class LLMEngine:
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device
+        self.graphs_built = False  # set by warm_up: from then on no step compiles
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], *, max_tokens: int | None = None,
@@ -364,7 +372,16 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """schedule -> run -> postprocess. Returns the sequences that finished in this step."""
+        """schedule -> run -> postprocess. Returns the sequences that finished in this step.
+
+        Every tensor the engine keeps is made in inference mode: torch.compile guards on it, so a cache made
+        outside it (or rows selected outside it) would make each compiled graph compile again mid-run.
+        After `warm_up`, compiled steps only run graphs already built: a step of a shape no graph covers runs
+        eagerly rather than stalling every user for a compile."""
+        with torch.inference_mode(), built_graphs_only() if self.graphs_built else nullcontext():
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         t0 = time.perf_counter()
         sched, runner = self.scheduler, self.runner
         # schedule
@@ -411,12 +428,28 @@ class LLMEngine:
                 continue
             self.step()
 
-    def warm_up(self, max_tokens: int = 32) -> None:
-        """Serves two throw-away rounds (one request alone, then two together) so that a compiled runtime
-        ('*-compile') builds its step graphs before a user waits for them."""
-        ids = self.tokenizer.encode("Count from one to twenty.")
+    def warm_up(self, prompt_ids: list[int] | None = None) -> None:
+        """Builds the compiled step graphs of a '*-compile' runtime before a user waits for them, by serving
+        throw-away requests: one alone, then two together. torch.compile specialises sizes of 1, so one row and
+        several, one token and several are graphs of their own: each round runs plain (one-token) steps and
+        whole blocks, and a block after plain steps (the draft's context then takes several pending slots).
+        The adaptive controller learns nothing from these steps (they are mostly compile time)."""
+        t = time.perf_counter()
+        ids = prompt_ids or self.tokenizer.encode("Count from one to twenty.")
+        B = self.block_size
+        plan = [1, B, 1, 1, B] * 2
         for n in (1, 2):
-            self.generate([ids] * n, max_tokens=max_tokens)
+            self.runner.width_plan.extend(plan)
+            seqs = [self.add_request(ids, max_tokens=sum(plan)) for _ in range(n)]
+            for seq in seqs:
+                seq.stop_token_ids = []  # the plan runs to its end
+            while self.has_work():
+                self.step()
+            self.runner.width_plan.clear()
+        if self.runner.widths is not None:
+            self.runner.widths = WidthController(B)
+        self.graphs_built = True
+        log.info("warm-up: the step graphs took %.1f s to build", time.perf_counter() - t)
 
     def generate(self, prompts: list[list[int]], **kwargs) -> list[Sequence]:
         """Offline use and tests: runs the given prompts to completion through the continuous-batching loop."""

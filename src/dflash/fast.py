@@ -159,10 +159,13 @@ class FastForward:
         valid: [b, capacity] committed slots (the new ones included). Returns (logits [b, q', V], taps).
         compile: run decode and verify steps (logits_to_keep=0) through `torch.compile` (see `_compiled_step`);
         prompt passes, one-offs of any length, stay eager."""
-        args = (input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
         if not compile or logits_to_keep:
-            return self._forward(*args)
+            return self._forward(input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
         b, q = input_ids.shape
+        # the flags of the slots in use, as a tensor of their own: a slice of the storage would be contiguous
+        # only when the block ends at the last slot, and the graph is specific to that
+        valid = valid[:, :pointer + q].clone(memory_format=torch.contiguous_format)
+        args = (input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
         return self._compiled_step(args, f"{'n rows' if b > 1 else '1 row'} x {'n tokens' if q > 1 else '1 token'}"
                                          f"{', tapped' * bool(tap_ids)}")
 

@@ -343,7 +343,9 @@ class DFlashDraftModel(nn.Module):
         n = target_features.shape[1]
         if n == 0:
             return
-        context_kv = self.compiled()[1] if compile else self.context_kv
+        # one slot (a single plain step since the last write) runs eagerly: torch.compile specialises a size
+        # of 1, and a graph for it would cost a compile for one small product
+        context_kv = self.compiled()[1] if compile and n > 1 else self.context_kv
         for i, (k, v) in enumerate(context_kv(target_features, cache.positions[:, slot:slot + n])):
             cache.keys[i, :, :, slot:slot + n] = k
             cache.values[i, :, :, slot:slot + n] = v
