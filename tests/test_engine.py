@@ -151,3 +151,24 @@ def test_warm_up_builds_every_graph_that_serving_runs():
     assert counters["stats"]["unique_graphs"] == built
     for s, p, n in zip(seqs, ps, max_tokens):
         assert s.output_ids == expected(target, p, n)
+
+
+def test_metrics_count_the_drafts_each_step_verified():
+    # an adaptive step verifies fewer drafts than a block (none in a plain step): the acceptance rate is over
+    # the drafts verified
+    from dflash.metrics import EngineMetrics
+
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=2))
+    engine.metrics = m = EngineMetrics(engine.block_size)
+    plan = [1, 4, 2, 1, 3]
+    engine.runner.width_plan.extend(plan)
+    seqs = [engine.add_request(p, max_tokens=40) for p in prompts([6, 9], seed=6)]
+    for _ in range(1 + len(plan)):  # the prompts' step, then one step per planned width
+        engine.step()
+    value = m.registry.get_sample_value
+    assert value("dflash_draft_tokens_proposed_total") == 2 * sum(w - 1 for w in plan)
+    accepted = sum(a - 1 for s in seqs for a in s.acceptance_lengths)
+    assert value("dflash_draft_tokens_accepted_total") == accepted
+    assert value("dflash_draft_acceptance_rate") == pytest.approx(accepted / (2 * sum(w - 1 for w in plan)))

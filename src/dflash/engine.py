@@ -237,6 +237,7 @@ class ModelRunner:
             self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
             self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
         self.width_plan: deque[int] = deque()  # widths of the next decode steps, ahead of the controller
+        self.last_width = self.B  # of the last decode step: its rows each verified last_width - 1 drafts
         self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     def start_prefill(self, seqs: list[Sequence]) -> None:
@@ -277,6 +278,7 @@ class ModelRunner:
             width = min(width, self.width_plan.popleft())
         elif adaptive:
             width = self.widths.choose(len(self.rows), width)
+        self.last_width = width
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            lambda logits: _choose_per_row(logits, self.rows), width=width)
         n_keep = accepted + 1

@@ -27,18 +27,22 @@ class EngineMetrics:
         self._proposed = self._accepted = 0
 
     def observe_step(self, engine, updates, finished, seconds: float) -> None:
+        drafts = engine.runner.last_width - 1  # per row of this step's decode (narrower than a block when adaptive)
+        proposed = accepted = 0
         for seq, tokens, acc in updates:
             if acc is None:  # the first token, from the prefill
                 self.prompt_tokens.inc(seq.num_prompt_tokens)
                 self.ttft.observe(seq.first_token_time - seq.arrival_time)
             elif self.block_size > 1:
                 self.acceptance.observe(acc)
-                self._proposed += self.block_size - 1
-                self._accepted += acc - 1
+                proposed += drafts
+                accepted += acc - 1
         self.generation_tokens.inc(sum(len(t) for _, t, _ in updates))
-        if self.block_size > 1 and self._proposed:
-            self.draft_proposed.inc(sum(self.block_size - 1 for _, _, a in updates if a is not None))
-            self.draft_accepted.inc(sum(a - 1 for _, _, a in updates if a is not None))
+        if proposed:
+            self.draft_proposed.inc(proposed)
+            self.draft_accepted.inc(accepted)
+            self._proposed += proposed
+            self._accepted += accepted
             self.acceptance_rate.set(self._accepted / self._proposed)
         for seq in finished:
             self.requests.labels(seq.finish_reason).inc()

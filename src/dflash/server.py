@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine (FastAPI + uvicorn).
 
-The engine runs in its own thread; request handlers only queue work and await results, so the event loop
-never blocks on the model. Every sequence reports its text deltas through a callback that hops back onto
+The engine and the event loop run in threads of their own (`dflash serve`: the engine on the main thread, where
+the model was loaded and compiled, and uvicorn beside it); request handlers only queue work and await results,
+so the event loop never blocks on the model. Every sequence reports its text deltas through a callback that hops back onto
 the event loop with `call_soon_threadsafe`.
 """
 
@@ -117,15 +118,21 @@ def _usage(seq: Sequence) -> dict:
     return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": n, "total_tokens": seq.num_prompt_tokens + n}
 
 
-def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 30.0) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 30.0,
+              engine_thread: bool = True) -> FastAPI:
+    """The app; its lifespan starts the engine's loop in a thread of its own, unless engine_thread is False: then
+    the caller runs `engine.run_forever(app.state.stop_engine)`, which returns once the app has shut down."""
     engine.metrics = engine.metrics or EngineMetrics(engine.block_size)
     stop_engine = threading.Event()
     live: set[Sequence] = set()
 
     @asynccontextmanager
     async def lifespan(app):
-        thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="dflash-engine", daemon=True)
-        thread.start()
+        thread = None
+        if engine_thread:
+            thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="dflash-engine",
+                                      daemon=True)
+            thread.start()
         app.state.accepting = True
         yield
         # uvicorn has stopped accepting and waited for open requests; cancel whatever is still running
@@ -137,9 +144,11 @@ def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 3
             await asyncio.sleep(0.05)
         stop_engine.set()
         engine.wakeup.set()
-        thread.join(timeout=5)
+        if thread is not None:
+            thread.join(timeout=5)
 
     app = FastAPI(title="dflash", lifespan=lifespan)
+    app.state.stop_engine = stop_engine
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc: RequestValidationError):
@@ -272,14 +281,36 @@ def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 3
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
     """Runs the server until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests finish (up to 30 s),
-    then the engine cancels what is left and stops."""
+    then the engine cancels what is left and stops.
+
+    The engine's loop runs on this thread, the one that loaded and compiled the model, and uvicorn on another.
+    torch's CPU kernels split their work over an OpenMP pool that belongs to the thread running them; a second
+    thread running kernels gets a second pool, and with more pool threads than cores OpenMP stops spinning
+    between parallel regions: the engine's steps took twice as long (measured on a 2-core CPU)."""
     import signal
     import sys
 
     import uvicorn
 
-    # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal to the handler it found: make that
-    # an ordinary exit, so a process manager sees status 0 after a clean shutdown
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(build_app(engine, model_name), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=30)
+    app = build_app(engine, model_name, engine_thread=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=30))
+
+    def http():
+        try:
+            server.run()  # off the main thread, uvicorn installs no signal handlers: ours below stop it
+        finally:  # also when it could not start (e.g. the port is taken)
+            app.state.stop_engine.set()
+            engine.wakeup.set()
+
+    def shut_down(*_):
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    thread = threading.Thread(target=http, name="dflash-http")
+    thread.start()
+    engine.run_forever(app.state.stop_engine)
+    thread.join()
+    if not server.started:
+        sys.exit(1)
