@@ -2,8 +2,8 @@
 
 The engine and the event loop run in threads of their own (`dflash serve`: the engine on the main thread, where
 the model was loaded and compiled, and uvicorn beside it); request handlers only queue work and await results,
-so the event loop never blocks on the model. Every sequence reports its text deltas through a callback that hops back onto
-the event loop with `call_soon_threadsafe`.
+so the event loop never blocks on the model. Every sequence reports its text deltas through a callback that
+hops back onto the event loop with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -284,9 +284,10 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
     then the engine cancels what is left and stops.
 
     The engine's loop runs on this thread, the one that loaded and compiled the model, and uvicorn on another.
-    torch's CPU kernels split their work over an OpenMP pool that belongs to the thread running them; a second
-    thread running kernels gets a second pool, and with more pool threads than cores OpenMP stops spinning
-    between parallel regions: the engine's steps took twice as long (measured on a 2-core CPU)."""
+    torch's CPU kernels split their work over an OpenMP pool that belongs to the thread running them: run from
+    a second thread, the same int4 product took twice as long, and so did the engine's steps (measured on a
+    2-core CPU; our reading is that two pools on two cores stop spinning between parallel regions, as the main
+    thread's pool also slows down that way with OMP_WAIT_POLICY=passive)."""
     import signal
     import sys
 
