@@ -3,7 +3,7 @@
 Speculative decoding pays off only while verifying a block of rows costs little more than decoding one; that
 is a property of the matmul kernels on the hardware, not of the draft. This times the target's own layer
 shapes (q/k/v, gate/up, down, LM head) with each kernel the runtimes use: fp32 `F.linear`, bf16 (prepacked
-for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels. Prints a table
+for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int4: PyTorch's and, with AVX-512 VNNI, dflash's). Prints a table
 of microseconds and the cost of M rows over one row, and ends with one JSON line.
 
     python benchmarks/linear_rows.py [--model smollm2-135m-instruct] [--threads 2]
@@ -67,7 +67,9 @@ def main():
                 "int8": lambda x, q=Int8Weight(wb): q.linear(x, None),
             }
             if n_in % 32 == 0:
-                kernels_["int4"] = lambda x, q=Int4Weight(wb): q.linear(x, None)
+                kernels_["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
+                if kernels.int4_kernel():
+                    kernels_["int4 dflash"] = lambda x, q=Int4Weight(wb, ours=True): q.linear(x, None)
             xs = {m: torch.randn(m, n_in, generator=g).bfloat16() for m in ROWS}
             for kname, fn in kernels_.items():
                 us = [1e6 * seconds(lambda: fn(xs[m])) for m in ROWS]

@@ -85,16 +85,30 @@ def test_quantized_runtime_is_lossless_against_its_own_plain_decoding(arch, quan
     assert 0 < err < {"fast-int8": 0.25, "fast-int4": 1.0}[quantized]
 
 
-def test_int4_recovers_weights_stored_on_a_4_bit_grid():
-    # a weight as GGUF Q4_1 stores it, de-quantised: per group of 32, offset + scale * (0..15)
+@pytest.mark.parametrize("kernel", ["torch", "dflash"])
+def test_int4_recovers_weights_stored_on_a_4_bit_grid(kernel, monkeypatch):
+    from dflash import kernels
+
+    if kernel == "dflash" and not kernels.int4_kernel():
+        pytest.skip("dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
+    monkeypatch.setattr(kernels, "int4_kernel", lambda: kernel == "dflash")
+    # a weight as GGUF Q4_1 stores it, de-quantised: per group of 32, offset + scale * (0..15), both fp16
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (48, 64), generator=g)
     q[:, ::32], q[:, 1::32] = 0, 15  # each group spans its whole range, as Q4_1's quantiser makes it
-    scale = torch.rand(48, 2, generator=g).repeat_interleave(32, 1) / 8
-    offset = torch.randn(48, 2, generator=g).repeat_interleave(32, 1)
+    scale = (torch.rand(48, 2, generator=g) / 8).half().float().repeat_interleave(32, 1)
+    offset = torch.randn(48, 2, generator=g).half().float().repeat_interleave(32, 1)
     w = offset + scale * q
-    x = torch.randn(5, 64, generator=g)
-    assert torch.allclose(Int4Weight(w).linear(x, None), x @ w.T, atol=1e-3)
+    if kernel == "torch":
+        x = torch.randn(5, 64, generator=g)
+        assert torch.allclose(Int4Weight(w).linear(x, None), x @ w.T, atol=1e-3)
+    else:
+        # dflash's kernel rounds each group of 32 inputs to int8 steps of max|x| / 127 and its output to bf16:
+        # inputs already on such a grid go through exactly, up to that last rounding
+        x = torch.randint(-127, 128, (5, 64), generator=g).float()
+        x[:, ::32] = 127
+        y = Int4Weight(w).linear(x, None)
+        assert Int4Weight(w).ours and torch.allclose(y, x @ w.T, rtol=2 ** -8, atol=1e-2)
     with pytest.raises(DFlashConfigError, match="multiple of 32"):
         Int4Weight(torch.randn(8, 40))
 

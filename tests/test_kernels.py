@@ -121,3 +121,54 @@ def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_
     spec = spec_generate(target, draft, ids, mask, **kw)
     assert isinstance(draft._proposal_head()[0], kernels.Int8Weight)
     assert torch.equal(spec, ar_generate(target, ids, mask, **kw))
+
+
+needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(),
+                                       reason="dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
+
+
+def _int4_reference(x: torch.Tensor, w: kernels.Int4Weight) -> torch.Tensor:
+    """What dflash's int4 kernel computes, in fp32 from its own layout: Q4_1 weights times the inputs rounded to
+    int8 per group of 32 (in steps of max|x| / 127)."""
+    tiles, quads, _ = w.qweight.shape
+    nib = torch.stack([w.qweight & 15, w.qweight >> 4], -1).view(tiles, quads, 8, 4, 2).float()
+    q = nib.permute(0, 4, 2, 1, 3).reshape(tiles * 16, quads * 4)  # [out, in]
+    sl = w.scales.float().permute(2, 0, 3, 1).reshape(2, tiles * 16, -1).repeat_interleave(32, -1)
+    groups = x.bfloat16().float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127) / amax  # IEEE division, as the kernel's (`127 / amax` is not, by an ulp)
+    xq = ((groups * torch.where(amax > 0, inv, 0)).round() * (amax / 127)).view(x.shape)
+    return xq @ (q * sl[0] + sl[1]).T
+
+
+@needs_int4_kernel
+@pytest.mark.parametrize("out_features,in_features", [(48, 64), (160, 96)])
+def test_int4_kernel_matches_its_arithmetic_and_a_row_does_not_depend_on_the_batch(out_features, in_features):
+    g = torch.Generator().manual_seed(1)
+    w = kernels.Int4Weight(torch.randn(out_features, in_features, generator=g))
+    assert w.ours
+    for rows in (1, 2, 3, 5, 8, 13, 17):  # every row-count template, several passes of 8 rows, tails of tiles
+        x = torch.randn(rows, in_features, generator=g).bfloat16()
+        x[0, :32] = 0  # an all-zero group has no int8 step
+        y = w.linear(x, None)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        ref = _int4_reference(x, w)
+        assert torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max()), rows
+        # bitwise the same when each row is multiplied alone: verifying a block is decoding token by token
+        alone = torch.cat([w.linear(x[i:i + 1].clone(), None) for i in range(rows)])
+        assert torch.equal(alone, y), rows
+
+
+@needs_int4_kernel
+def test_int4_kernel_inside_torch_compile_and_on_bad_input():
+    w = kernels.Int4Weight(torch.randn(32, 64))
+    b = torch.randn(32)
+    x = torch.randn(2, 3, 64)
+    compiled = torch.compile(lambda x: w.linear(x, b), fullgraph=True)
+    assert torch.equal(compiled(x), w.linear(x, b))
+    with pytest.raises(RuntimeError, match="x must be a 2-D bf16"):
+        torch.ops.dflash_cpu.int4_linear(x.view(6, 64), w.qweight, w.scales)
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        torch.ops.dflash_cpu.int4_linear(torch.randn(2, 32).bfloat16(), w.qweight, w.scales)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous fp16"):
+        torch.ops.dflash_cpu.int4_linear(x.view(6, 64).bfloat16(), w.qweight, w.scales.float())

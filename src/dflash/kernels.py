@@ -13,8 +13,10 @@ and rounds the result back. That is not bitwise the half-precision product, whic
 module: the drafts, whose proposals the target verifies (the target's fast runtime has its own rule, see
 `dflash.fast`).
 
-It also holds the weight-only int8 / int4 weights (PyTorch's CPU kernels) that the fast runtime's quantised
-targets multiply by, and that the drafts score their proposals with where the CPU has no half kernels.
+It also holds the weight-only int8 / int4 weights that the fast runtime's quantised targets multiply by, and that
+the drafts score their proposals with where the CPU has no half kernels: PyTorch's CPU kernels, and for int4 on
+CPUs with AVX-512 VNNI our own (`csrc/int4_vnni.cpp`, built on first use), whose cost grows slowly with the rows
+(see `Int4Weight`).
 
 Packed and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
 step) or is replaced; training itself (grad enabled) always takes `F.linear`.
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+import warnings
+from pathlib import Path
 from weakref import WeakValueDictionary
 
 import torch
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import DFlashConfigError
+from .loading import dflash_home
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
@@ -176,15 +182,66 @@ class Int8Weight(_WeightOnlyQuantized):
         return torch._weight_int8pack_mm(x, self.qweight, self.scale)
 
 
+_VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+INT4_KERNELS = ("auto", "dflash", "torch")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@functools.cache
+def int4_kernel() -> bool:
+    """Whether int4 products run on dflash's own kernel (`csrc/int4_vnni.cpp`): an x86 CPU with AVX-512 VNNI and
+    a C++ compiler, built once per PyTorch version under DFLASH_HOME/kernels. DFLASH_INT4_KERNEL=torch keeps
+    PyTorch's kernel; =dflash makes a failed build an error instead of a warning."""
+    choice = os.environ.get("DFLASH_INT4_KERNEL", "auto")
+    if choice not in INT4_KERNELS:
+        raise DFlashConfigError(f"DFLASH_INT4_KERNEL={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
+    if choice == "torch":
+        return False
+    missing = _VNNI_FLAGS - _cpu_flags()
+    try:
+        if missing:
+            raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")
+        from torch.utils.cpp_extension import load
+
+        build = dflash_home() / "kernels" / f"torch-{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        load(name="dflash_int4", sources=[str(Path(__file__).parent / "csrc" / "int4_vnni.cpp")],
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    except Exception as e:  # no compiler, no headers, another CPU: PyTorch's kernel still works
+        if choice == "dflash":
+            raise DFlashConfigError(f"DFLASH_INT4_KERNEL=dflash, but dflash's int4 kernel is unavailable: {e}") from e
+        if not missing:
+            warnings.warn(f"dflash's int4 kernel did not build, int4 layers use PyTorch's: {e}", stacklevel=2)
+        return False
+    torch.library.register_fake("dflash_cpu::int4_linear")(
+        lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 16))
+    return True
+
+
 class Int4Weight(_WeightOnlyQuantized):
     """A weight quantised to 4 bits in groups of 32 inputs, each with its own scale and offset (asymmetric): the
     layout of GGUF's Q4_1, so a model shipped as Q4_1 and de-quantised on load comes back to (almost exactly)
-    the grid it was stored on. Multiplied by PyTorch's weight-only int4 CPU kernel, which dequantises
-    w = (q - 8) * scale + zero on the fly: a quarter of the bytes of bf16 per token."""
+    the grid it was stored on.
+
+    Where `int4_kernel()` holds (and the outputs are a multiple of 16), products run on dflash's kernel with
+    llama.cpp's arithmetic: each row's inputs quantised to int8 per group of 32, products summed in int32. Its
+    cost grows slowly with the rows (30 layers of SmolLM2-135M's products: 8 rows cost under 2x one row, where
+    PyTorch's kernel costs 3x; `benchmarks/linear_rows.py`), and a row's result does not depend on the other
+    rows. Elsewhere PyTorch's weight-only int4 kernel, w = (q - 8) * scale + zero de-quantised on the fly.
+    Either way a quarter of the bytes of bf16 per token."""
 
     GROUP = 32
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, ours: bool | None = None):
+        """ours: whether to use dflash's kernel (None: where `int4_kernel()` holds)."""
         out_features, in_features = w.shape
         if in_features % self.GROUP:
             raise DFlashConfigError(f"int4 needs the input size of every linear layer to be a multiple of "
@@ -193,9 +250,20 @@ class Int4Weight(_WeightOnlyQuantized):
         low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
         scale = ((high - low) / 15).clamp(min=1e-12)
         q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(out_features, in_features), 1)
-        zero = low + 8 * scale
-        self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(w.dtype)
+        q = q.view(out_features, in_features)
+        self.ours = out_features % 16 == 0 and (int4_kernel() if ours is None else ours)
+        if self.ours:  # the layout csrc/int4_vnni.cpp documents
+            tiles, quads = out_features // 16, in_features // 4
+            nibbles = q.view(tiles, 2, 8, quads, 4).permute(0, 3, 2, 4, 1)  # [tile, quad, output, input, half]
+            self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, quads, 32).contiguous()
+            self.scales = (torch.stack([scale, low]).view(2, tiles, 16, -1).permute(1, 3, 0, 2)
+                           .contiguous().half())  # [tile, group, scale/low, output]: fp16, as Q4_1 stores them
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            zero = low + 8 * scale
+            self.scales_and_zeros = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().to(w.dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours:
+            return torch.ops.dflash_cpu.int4_linear(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)

@@ -1,0 +1,160 @@
+// Weight-only int4 linear layer for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ w[N, K]^T, bf16 in and out.
+//
+// Why it exists: speculative decoding pays off while verifying a block of rows costs little more than
+// decoding one. PyTorch's int4 CPU kernel costs about linearly in the rows (8 rows: 3x one row), so verify
+// blocks lose. Here each 16-output x 4-input slab of the weight is unpacked once, in registers, and multiplied
+// into every row with one `vpdpbusd` per row (64 multiply-adds): the weight's bytes, the memory traffic that
+// bounds one row, and their unpacking are paid once however many rows there are.
+//
+// The arithmetic is llama.cpp's for GGUF Q4_1 weights: weights in groups of 32 inputs, w = q * scale + low
+// with q in 0..15; each row's inputs quantised per group of 32 to int8 with one scale (Q8_1's scheme), the
+// products summed exactly in int32, then per group  y += xscale * (scale * sum(q * xq) + low * sum(xq)).
+//
+// Layout (made by `dflash.kernels.Int4Weight`):
+//   qweight [N/16, K/4, 32] uint8: for tile t (outputs 16t..16t+15) and input quad j (inputs 4j..4j+3), byte
+//     4c + i holds input 4j + i of output 16t + c in its low nibble and of output 16t + 8 + c in its high one.
+//   scales  [N/16, K/32, 2, 16] fp16 (as Q4_1 stores them): per tile and group, the 16 scales, then the 16 lows.
+//
+// Every row goes through the same instructions in the same order whatever the number of rows and wherever
+// it sits in the batch: a row's result does not depend on the batch, so verifying a block reproduces bit for
+// bit the logits of decoding one token at a time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;   // inputs per scale and low
+constexpr int64_t kTile = 16;    // outputs per register of 16 fp32
+constexpr int64_t kQuads = kGroup / 4;
+constexpr int64_t kMaxRows = 8;  // rows per pass over the weight; more rows take more passes, from cache
+
+inline __m512 fp16x16_to_fp32(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// fp32 -> bf16, rounding to nearest even (without AVX512-BF16, which VNNI CPUs such as Ice Lake lack)
+inline __m256i fp32x16_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// M rows x NT tiles of outputs from `tile` on. Per row m and group g: xscale, and xoff = xscale * sum(xq).
+template <int M, int NT>
+void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
+                const uint16_t* scales, int64_t K, int64_t N, int64_t tile, uint16_t* y) {
+  const int64_t groups = K / kGroup, quads = K / 4;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[M][NT];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[M][NT];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < NT; ++t) dot[m][t] = _mm512_setzero_si512();
+    for (int64_t j = g * kQuads; j < (g + 1) * kQuads; ++j) {
+      for (int t = 0; t < NT; ++t) {
+        // the 32 bytes in both halves; the upper half takes the high nibbles
+        const uint8_t* src = q + ((tile + t) * quads + j) * 32;
+        __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K) + j;
+          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], w, _mm512_set1_epi32(*x4));
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* sl = scales + ((tile + t) * groups + g) * 2 * kTile;
+      const __m512 scale = fp16x16_to_fp32(sl), low = fp16x16_to_fp32(sl + kTile);
+      for (int m = 0; m < M; ++m) {
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xscale[m * groups + g]));
+        acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][t]), s, acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(low, _mm512_set1_ps(xoff[m * groups + g]), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + (tile + t) * kTile), fp32x16_to_bf16(acc[m][t]));
+}
+
+// Tiles [begin, end) for M rows, NT tiles at a time (enough independent sums to hide vpdpbusd's latency),
+// the rest one at a time. NT only groups the work: a row's arithmetic is the same.
+template <int M>
+void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
+                int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
+  constexpr int NT = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  int64_t t = begin;
+  for (; t + NT <= end; t += NT) tile_block<M, NT>(xq, xscale, xoff, q, scales, K, N, t, y);
+  for (; t < end; ++t) tile_block<M, 1>(xq, xscale, xoff, q, scales, K, N, t, y);
+}
+
+using RowsFn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, int64_t,
+                        int64_t, int64_t, int64_t, uint16_t*);
+constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,       rows_block<1>, rows_block<2>, rows_block<3>, rows_block<4>,
+                                        rows_block<5>, rows_block<6>, rows_block<7>, rows_block<8>};
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "int4_linear: x must be a 2-D bf16 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 32 &&
+                  qweight.is_contiguous(),
+              "int4_linear: qweight must be a contiguous uint8 [N/16, K/4, 32] tensor, got ", qweight.sizes());
+  const int64_t M = x.size(0), K = x.size(1), tiles = qweight.size(0), N = tiles * kTile, groups = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) * 4 == K, "int4_linear: x has ", K, " inputs, the weight ",
+              qweight.size(1) * 4, " (a multiple of 32 is needed)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == tiles * groups * 2 * kTile,
+              "int4_linear: scales must be a contiguous fp16 [N/16, K/32, 2, 16] tensor, got ", scales.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xscale(M * groups), xoff(M * groups);
+  for (int64_t r = 0; r < M * groups; ++r) {
+    const at::BFloat16* in = xp + r * kGroup;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::abs(static_cast<float>(in[k])));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(in[k]) * inv));
+      xq[r * kGroup + k] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    xscale[r] = amax / 127.0f;
+    xoff[r] = xscale[r] * static_cast<float>(sum);
+  }
+
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  // threads split the outputs; each thread's later passes over rows find its part of the weight in cache
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, M - m0);
+      kRows[rows](xq.data() + m0 * K, xscale.data() + m0 * groups, xoff.data() + m0 * groups, qp, sp, K, N, begin,
+                  end, yp + m0 * N);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dflash_cpu, m) { m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }
