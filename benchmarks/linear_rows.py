@@ -3,8 +3,10 @@
 Speculative decoding pays off only while verifying a block of rows costs little more than decoding one; that
 is a property of the matmul kernels on the hardware, not of the draft. This times the target's own layer
 shapes (q/k/v, gate/up, down, LM head) with each kernel the runtimes use: fp32 `F.linear`, bf16 (prepacked
-for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int4: PyTorch's and, with AVX-512 VNNI, dflash's). Prints a table
-of microseconds and the cost of M rows over one row, and ends with one JSON line.
+for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int4: PyTorch's
+and, with AVX-512 VNNI, dflash's). Then the same for all the decoder layers' products with each layer's own
+weights, which is what a step streams from memory (the per-shape figures reuse one weight from cache). Prints a
+table of microseconds and the cost of M rows over one row, and ends with one JSON line.
 
     python benchmarks/linear_rows.py [--model smollm2-135m-instruct] [--threads 2]
 """
@@ -42,6 +44,24 @@ def seconds(fn, min_time: float = 0.2) -> float:
     return statistics.median(laps)
 
 
+def _products(w: torch.Tensor, fp32: bool = True) -> dict:
+    """kernel name -> x -> x @ w.T, for each kernel the runtimes use (w [out, in] fp32)."""
+    wb = w.bfloat16()
+    out = {"fp32": lambda x: F.linear(x.float(), w)} if fp32 else {}
+    out["bf16" + (" packed" if kernels.packable(wb) else "")] = lambda x: kernels.linear(x, wb)
+    out["int8"] = lambda x, q=Int8Weight(wb): q.linear(x, None)
+    if w.shape[1] % 32 == 0:
+        out["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
+        if kernels.int4_kernel() and w.shape[0] % 16 == 0:
+            out["int4 dflash"] = lambda x, q=Int4Weight(wb, ours=True): q.linear(x, None)
+    return out
+
+
+def _timed(fn) -> dict:
+    us = [1e6 * seconds(lambda: fn(m)) for m in ROWS]
+    return {"us": [round(u, 1) for u in us], "ratio_to_1_row": [round(u / us[0], 2) for u in us]}
+
+
 def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="target whose layer shapes are timed")
@@ -59,27 +79,24 @@ def main():
     results = {}
     with torch.inference_mode():
         for name, (n_out, n_in) in shapes.items():
-            w = torch.randn(n_out, n_in, generator=g) / n_in ** 0.5
-            wb = w.bfloat16()
-            kernels_ = {
-                "fp32": lambda x, w=w: F.linear(x.float(), w),
-                "bf16" + (" packed" if kernels.packable(wb) else ""): lambda x, wb=wb: kernels.linear(x, wb),
-                "int8": lambda x, q=Int8Weight(wb): q.linear(x, None),
-            }
-            if n_in % 32 == 0:
-                kernels_["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
-                if kernels.int4_kernel():
-                    kernels_["int4 dflash"] = lambda x, q=Int4Weight(wb, ours=True): q.linear(x, None)
+            products = _products(torch.randn(n_out, n_in, generator=g) / n_in ** 0.5)
             xs = {m: torch.randn(m, n_in, generator=g).bfloat16() for m in ROWS}
-            for kname, fn in kernels_.items():
-                us = [1e6 * seconds(lambda: fn(xs[m])) for m in ROWS]
-                results.setdefault(name, {})[kname] = {"us": [round(u, 1) for u in us],
-                                                       "ratio_to_1_row": [round(u / us[0], 2) for u in us]}
-    print(f"{'shape':8s} {'kernel':12s} " + " ".join(f"{f'{m} row us':>10s}" for m in ROWS) + "   "
+            for kname, fn in products.items():
+                results.setdefault(name, {})[kname] = _timed(lambda m: fn(xs[m]))
+        # a whole step's products, every layer's own weights: what streams from memory once per step
+        layer_shapes = [shapes["qkv"], (c.hidden_size, c.num_attention_heads * head_dim), shapes["gate_up"],
+                        shapes["down"]]
+        stack = [(n_in, _products(torch.randn(n_out, n_in, generator=g) / n_in ** 0.5, fp32=False))
+                 for _ in range(c.num_hidden_layers) for n_out, n_in in layer_shapes]
+        xs = {m: {n: torch.randn(m, n, generator=g).bfloat16() for n in {n for n, _ in stack}} for m in ROWS}
+        for kname in stack[0][1]:
+            results.setdefault(f"{c.num_hidden_layers} layers", {})[kname] = _timed(
+                lambda m: [fns[kname](xs[m][n_in]) for n_in, fns in stack])
+    print(f"{'shape':10s} {'kernel':12s} " + " ".join(f"{f'{m} row us':>10s}" for m in ROWS) + "   "
           + " ".join(f"{f'x{m}':>5s}" for m in ROWS[1:]))
     for name, per in results.items():
         for kname, r in per.items():
-            print(f"{name:8s} {kname:12s} " + " ".join(f"{u:10.1f}" for u in r["us"]) + "   "
+            print(f"{name:10s} {kname:12s} " + " ".join(f"{u:10.1f}" for u in r["us"]) + "   "
                   + " ".join(f"{x:5.2f}" for x in r["ratio_to_1_row"][1:]))
     print(json.dumps({"model": args.model, "hardware": hardware("cpu"), "threads": torch.get_num_threads(),
                       "rows": ROWS, "shapes": {k: list(v) for k, v in shapes.items()}, "results": results}))

@@ -130,9 +130,9 @@ needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(),
 def _int4_reference(x: torch.Tensor, w: kernels.Int4Weight) -> torch.Tensor:
     """What dflash's int4 kernel computes, in fp32 from its own layout: Q4_1 weights times the inputs rounded to
     int8 per group of 32 (in steps of max|x| / 127)."""
-    tiles, quads, _ = w.qweight.shape
-    nib = torch.stack([w.qweight & 15, w.qweight >> 4], -1).view(tiles, quads, 8, 4, 2).float()
-    q = nib.permute(0, 4, 2, 1, 3).reshape(tiles * 16, quads * 4)  # [out, in]
+    tiles, octets, _ = w.qweight.shape
+    nib = torch.stack([w.qweight & 15, w.qweight >> 4], -1).view(tiles, octets, 16, 4, 2).float()
+    q = nib.permute(0, 2, 1, 4, 3).reshape(tiles * 16, octets * 8)  # [out, in]
     sl = w.scales.float().permute(2, 0, 3, 1).reshape(2, tiles * 16, -1).repeat_interleave(32, -1)
     groups = x.bfloat16().float().view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)

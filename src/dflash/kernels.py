@@ -241,7 +241,7 @@ class Int4Weight(_WeightOnlyQuantized):
     GROUP = 32
 
     def __init__(self, w: torch.Tensor, ours: bool | None = None):
-        """ours: whether to use dflash's kernel (None: where `int4_kernel()` holds)."""
+        """ours: whether to use dflash's kernel (None: where it is available)."""
         out_features, in_features = w.shape
         if in_features % self.GROUP:
             raise DFlashConfigError(f"int4 needs the input size of every linear layer to be a multiple of "
@@ -251,11 +251,14 @@ class Int4Weight(_WeightOnlyQuantized):
         scale = ((high - low) / 15).clamp(min=1e-12)
         q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
         q = q.view(out_features, in_features)
-        self.ours = out_features % 16 == 0 and (int4_kernel() if ours is None else ours)
+        self.ours = ours is not False and out_features % 16 == 0 and int4_kernel()
+        if ours and not self.ours:
+            raise DFlashConfigError(f"dflash's int4 kernel cannot take a weight of {out_features} outputs here (it "
+                                    f"needs a multiple of 16 and an x86 CPU with AVX-512 VNNI)")
         if self.ours:  # the layout csrc/int4_vnni.cpp documents
-            tiles, quads = out_features // 16, in_features // 4
-            nibbles = q.view(tiles, 2, 8, quads, 4).permute(0, 3, 2, 4, 1)  # [tile, quad, output, input, half]
-            self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, quads, 32).contiguous()
+            tiles, octets = out_features // 16, in_features // 8
+            nibbles = q.view(tiles, 16, octets, 2, 4).permute(0, 2, 1, 4, 3)  # [tile, octet, output, input, half]
+            self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, octets, 64).contiguous()
             self.scales = (torch.stack([scale, low]).view(2, tiles, 16, -1).permute(1, 3, 0, 2)
                            .contiguous().half())  # [tile, group, scale/low, output]: fp16, as Q4_1 stores them
         else:

@@ -4,15 +4,15 @@
 // decoding one. PyTorch's int4 CPU kernel costs about linearly in the rows (8 rows: 3x one row), so verify
 // blocks lose. Here each 16-output x 4-input slab of the weight is unpacked once, in registers, and multiplied
 // into every row with one `vpdpbusd` per row (64 multiply-adds): the weight's bytes, the memory traffic that
-// bounds one row, and their unpacking are paid once however many rows there are.
+// bounds one row, and their unpacking (three instructions per 128 weights) are paid once however many rows.
 //
 // The arithmetic is llama.cpp's for GGUF Q4_1 weights: weights in groups of 32 inputs, w = q * scale + low
 // with q in 0..15; each row's inputs quantised per group of 32 to int8 with one scale (Q8_1's scheme), the
 // products summed exactly in int32, then per group  y += xscale * (scale * sum(q * xq) + low * sum(xq)).
 //
 // Layout (made by `dflash.kernels.Int4Weight`):
-//   qweight [N/16, K/4, 32] uint8: for tile t (outputs 16t..16t+15) and input quad j (inputs 4j..4j+3), byte
-//     4c + i holds input 4j + i of output 16t + c in its low nibble and of output 16t + 8 + c in its high one.
+//   qweight [N/16, K/8, 64] uint8: for tile t (outputs 16t..16t+15) and input octet o (inputs 8o..8o+7), byte
+//     4c + i holds input 8o + i of output 16t + c in its low nibble and input 8o + 4 + i in its high one.
 //   scales  [N/16, K/32, 2, 16] fp16 (as Q4_1 stores them): per tile and group, the 16 scales, then the 16 lows.
 //
 // Every row goes through the same instructions in the same order whatever the number of rows and wherever
@@ -34,7 +34,7 @@ namespace {
 
 constexpr int64_t kGroup = 32;   // inputs per scale and low
 constexpr int64_t kTile = 16;    // outputs per register of 16 fp32
-constexpr int64_t kQuads = kGroup / 4;
+constexpr int64_t kOctets = kGroup / 8;
 constexpr int64_t kMaxRows = 8;  // rows per pass over the weight; more rows take more passes, from cache
 
 inline __m512 fp16x16_to_fp32(const uint16_t* p) {
@@ -53,7 +53,7 @@ inline __m256i fp32x16_to_bf16(__m512 v) {
 template <int M, int NT>
 void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
                 const uint16_t* scales, int64_t K, int64_t N, int64_t tile, uint16_t* y) {
-  const int64_t groups = K / kGroup, quads = K / 4;
+  const int64_t groups = K / kGroup, octets = K / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[M][NT];
   for (int m = 0; m < M; ++m)
@@ -62,15 +62,15 @@ void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const 
     __m512i dot[M][NT];
     for (int m = 0; m < M; ++m)
       for (int t = 0; t < NT; ++t) dot[m][t] = _mm512_setzero_si512();
-    for (int64_t j = g * kQuads; j < (g + 1) * kQuads; ++j) {
+    for (int64_t o = g * kOctets; o < (g + 1) * kOctets; ++o) {
       for (int t = 0; t < NT; ++t) {
-        // the 32 bytes in both halves; the upper half takes the high nibbles
-        const uint8_t* src = q + ((tile + t) * quads + j) * 32;
-        __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), nibble);
+        const __m512i w = _mm512_loadu_si512(q + ((tile + t) * octets + o) * 64);
+        const __m512i lo = _mm512_and_si512(w, nibble);                         // inputs 8o..8o+3
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);  // inputs 8o+4..8o+7
         for (int m = 0; m < M; ++m) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K) + j;
-          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], w, _mm512_set1_epi32(*x4));
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K) + 2 * o;
+          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], lo, _mm512_set1_epi32(x4[0]));
+          dot[m][t] = _mm512_dpbusd_epi32(dot[m][t], hi, _mm512_set1_epi32(x4[1]));
         }
       }
     }
@@ -94,7 +94,7 @@ void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const 
 template <int M>
 void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                 int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
-  constexpr int NT = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  constexpr int NT = M == 1 ? 8 : (M == 2 ? 4 : (M <= 4 ? 2 : 1));
   int64_t t = begin;
   for (; t + NT <= end; t += NT) tile_block<M, NT>(xq, xscale, xoff, q, scales, K, N, t, y);
   for (; t < end; ++t) tile_block<M, 1>(xq, xscale, xoff, q, scales, K, N, t, y);
@@ -108,12 +108,12 @@ constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,       rows_block<1>, rows_block
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
               "int4_linear: x must be a 2-D bf16 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 32 &&
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 3 && qweight.size(2) == 64 &&
                   qweight.is_contiguous(),
-              "int4_linear: qweight must be a contiguous uint8 [N/16, K/4, 32] tensor, got ", qweight.sizes());
+              "int4_linear: qweight must be a contiguous uint8 [N/16, K/8, 64] tensor, got ", qweight.sizes());
   const int64_t M = x.size(0), K = x.size(1), tiles = qweight.size(0), N = tiles * kTile, groups = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) * 4 == K, "int4_linear: x has ", K, " inputs, the weight ",
-              qweight.size(1) * 4, " (a multiple of 32 is needed)");
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) * 8 == K, "int4_linear: x has ", K, " inputs, the weight ",
+              qweight.size(1) * 8, " (a multiple of 32 is needed)");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == tiles * groups * 2 * kTile,
               "int4_linear: scales must be a contiguous fp16 [N/16, K/32, 2, 16] tensor, got ", scales.sizes());
