@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import kernels
+from dflash.errors import DFlashConfigError
 from dflash.kernels import Linear, linear
 
 needs_onednn = pytest.mark.skipif(
@@ -160,7 +161,7 @@ def test_int4_kernel_matches_its_arithmetic_and_a_row_does_not_depend_on_the_bat
 
 
 @needs_int4_kernel
-def test_int4_kernel_inside_torch_compile_and_on_bad_input():
+def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
     w = kernels.Int4Weight(torch.randn(32, 64))
     b = torch.randn(32)
     x = torch.randn(2, 3, 64)
@@ -172,3 +173,8 @@ def test_int4_kernel_inside_torch_compile_and_on_bad_input():
         torch.ops.dflash_cpu.int4_linear(torch.randn(2, 32).bfloat16(), w.qweight, w.scales)
     with pytest.raises(RuntimeError, match="scales must be a contiguous fp16"):
         torch.ops.dflash_cpu.int4_linear(x.view(6, 64).bfloat16(), w.qweight, w.scales.float())
+    monkeypatch.setenv("DFLASH_INT4_KERNEL", "fastest")
+    with pytest.raises(DFlashConfigError, match="DFLASH_INT4_KERNEL='fastest': expected one of auto, dflash, torch"):
+        kernels.int4_kernel_choice()
+    with pytest.raises(DFlashConfigError, match="needs a multiple of 16"):
+        kernels.Int4Weight(torch.randn(40, 64), ours=True)

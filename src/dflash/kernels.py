@@ -194,14 +194,19 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def int4_kernel_choice() -> str:
+    choice = os.environ.get("DFLASH_INT4_KERNEL", "auto")
+    if choice not in INT4_KERNELS:
+        raise DFlashConfigError(f"DFLASH_INT4_KERNEL={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
+    return choice
+
+
 @functools.cache
 def int4_kernel() -> bool:
     """Whether int4 products run on dflash's own kernel (`csrc/int4_vnni.cpp`): an x86 CPU with AVX-512 VNNI and
     a C++ compiler, built once per PyTorch version under DFLASH_HOME/kernels. DFLASH_INT4_KERNEL=torch keeps
     PyTorch's kernel; =dflash makes a failed build an error instead of a warning."""
-    choice = os.environ.get("DFLASH_INT4_KERNEL", "auto")
-    if choice not in INT4_KERNELS:
-        raise DFlashConfigError(f"DFLASH_INT4_KERNEL={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
+    choice = int4_kernel_choice()
     if choice == "torch":
         return False
     missing = _VNNI_FLAGS - _cpu_flags()
@@ -258,7 +263,8 @@ class Int4Weight(_WeightOnlyQuantized):
         if self.ours:  # the layout csrc/int4_vnni.cpp documents
             tiles, octets = out_features // 16, in_features // 8
             nibbles = q.view(tiles, 16, octets, 2, 4).permute(0, 2, 1, 4, 3)  # [tile, octet, output, input, half]
-            self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, octets, 64).contiguous()
+            self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, octets, 64)
+            self.qweight = self.qweight.contiguous()
             self.scales = (torch.stack([scale, low]).view(2, tiles, 16, -1).permute(1, 3, 0, 2)
                            .contiguous().half())  # [tile, group, scale/low, output]: fp16, as Q4_1 stores them
         else:

@@ -2,9 +2,9 @@
 //
 // Why it exists: speculative decoding pays off while verifying a block of rows costs little more than
 // decoding one. PyTorch's int4 CPU kernel costs about linearly in the rows (8 rows: 3x one row), so verify
-// blocks lose. Here each 16-output x 4-input slab of the weight is unpacked once, in registers, and multiplied
-// into every row with one `vpdpbusd` per row (64 multiply-adds): the weight's bytes, the memory traffic that
-// bounds one row, and their unpacking (three instructions per 128 weights) are paid once however many rows.
+// blocks lose. Here each 16-output x 8-input slab of the weight (64 bytes) is unpacked once, in registers, and
+// multiplied into every row with two `vpdpbusd` per row (64 multiply-adds each): the weight's bytes, the memory
+// traffic that bounds one row, and their unpacking (three instructions) are paid once however many rows.
 //
 // The arithmetic is llama.cpp's for GGUF Q4_1 weights: weights in groups of 32 inputs, w = q * scale + low
 // with q in 0..15; each row's inputs quantised per group of 32 to int8 with one scale (Q8_1's scheme), the
