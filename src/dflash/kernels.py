@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import DFlashConfigError
-from .loading import dflash_home
+from .loading import cpuinfo, dflash_home
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
@@ -186,14 +186,6 @@ _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 INT4_KERNELS = ("auto", "dflash", "torch")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def int4_kernel_choice() -> str:
     choice = os.environ.get("DFLASH_INT4_KERNEL", "auto")
     if choice not in INT4_KERNELS:
@@ -209,7 +201,7 @@ def int4_kernel() -> bool:
     choice = int4_kernel_choice()
     if choice == "torch":
         return False
-    missing = _VNNI_FLAGS - _cpu_flags()
+    missing = _VNNI_FLAGS - set((cpuinfo("flags") or "").split())
     try:
         if missing:
             raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")

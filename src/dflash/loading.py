@@ -85,13 +85,17 @@ def hardware(device: torch.device | str | None = None) -> str:
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
+    name = cpuinfo("model name") or platform.processor() or platform.machine()
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first value of a /proc/cpuinfo field ("model name", "flags"), None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), name)
+            return next((line.partition(":")[2].strip() for line in f if line.startswith(field)), None)
     except OSError:
-        pass
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+        return None
 
 
 def default_device() -> torch.device:
