@@ -6,8 +6,11 @@
 llama.cpp runs the GGUF as it is (quantised); we run the same file de-quantised to bf16 (`load_target`), and
 with `fast-int4` re-quantised to the GGUF's own 4-bit layout (groups of 32, a scale and an offset each).
 Per prompt the methods run back to back in rotating order after a warm-up; greedy, 256 new tokens, the
-chat template applied by both (the same token ids are fed to llama.cpp). Prints a table of median tokens/s
-and ends with one JSON line. Without llama-cpp-python installed, the llama.cpp column is left out and said so.
+chat template applied by both (the same token ids are fed to llama.cpp). Speed on a shared machine drifts
+by 15 % or more within minutes, so the ratio to llama.cpp is taken per run (a method against llama.cpp on
+the same prompt, in the same turn) and its median reported, per dataset and over all; `--repeats` runs
+every prompt again. Prints a table, writes results.json and a bar plot with `--out`, and ends with one JSON
+line. Without llama-cpp-python installed, the llama.cpp column is left out and said so.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dflash import ar_generate, spec_generate
 from dflash.bench import BENCH_SETS
 from dflash.fast import compile_seconds
+from dflash.io import atomic_write_text, save_png
 from dflash.loading import DEFAULT_MODEL, alias_gguf, hardware, load_draft, load_target, shipped_draft
 from dflash.prompts import read_prompts
 from dflash.regenerate import encode_prompt
@@ -39,6 +45,8 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer")
     ap.add_argument("--threads", type=int, default=2, help="threads for both")
     ap.add_argument("--data-dir", default=None, help="None = $DFLASH_DATA_DIR")
+    ap.add_argument("--repeats", type=int, default=1, help="times each prompt runs (every method, each time)")
+    ap.add_argument("--out", default=None, help="folder for results.json and vs_llama_cpp.png")
     ap.add_argument("--runtimes", default="fast,fast-int4",
                     help="our runtimes to run (fast = bf16; fast-int4 = the Q4_1 grid, close to what llama.cpp runs)")
     args = ap.parse_args()
@@ -68,38 +76,86 @@ def main():
     except ImportError:
         print("vs_llama_cpp: llama-cpp-python is not installed; measuring our side only", file=sys.stderr)
 
-    prompts = [p for d in args.datasets.split(",") for p in read_prompts([BENCH_SETS[d]], args.data_dir)[:args.num_prompts]]
-    encoded = [encode_prompt(tok, p.messages) for p in prompts]
+    sets = args.datasets.split(",")
+    prompts = [(d, p) for d in sets for p in read_prompts([BENCH_SETS[d]], args.data_dir)[:args.num_prompts]]
+    encoded = [(d, encode_prompt(tok, p.messages)) for d, p in prompts]
+    names = list(methods)
+    # runs[m]: (dataset, tokens/s, new tokens) per prompt and repeat
+    runs: dict[str, list[tuple[str, float, int]]] = {m: [] for m in methods}
     with torch.inference_mode():
-        for fn in methods.values():  # warm-up
-            fn(encoded[0])
-        rates, counts = {m: [] for m in methods}, {m: [] for m in methods}
-        names = list(methods)
-        for i, ids in enumerate(encoded):
-            for m in names[i % len(names):] + names[:i % len(names)]:
-                t = time.perf_counter()
-                out = methods[m](ids)
-                seconds = time.perf_counter() - t
-                if isinstance(out, dict):  # llama.cpp
-                    count = out["usage"]["completion_tokens"]
-                else:
-                    count = out.shape[1] - len(ids)
-                rates[m].append(count / seconds)
-                counts[m].append(count)
-    med = {m: statistics.median(r) for m, r in rates.items()}
-    ref = med.get(LLAMA_CPP)
-    built = compile_seconds(target)
-    if built:
-        print(f"torch.compile (warm-up): {', '.join(f'{k} {v:.0f} s' for k, v in built.items())}")
-    print(f"{'method':34s} {'median tok/s':>12s} {'vs llama.cpp':>12s}  per prompt ({len(encoded)} prompts, "
-          f"{args.threads} threads)")
-    for m, r in rates.items():
-        vs = f"{med[m] / ref:11.2f}x" if ref else f"{'-':>12s}"
-        print(f"{m:34s} {med[m]:12.1f} {vs}  {', '.join(f'{x:.1f}' for x in r)}")
-    print(json.dumps({"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads,
-                      "max_new_tokens": n, "prompts": len(encoded), "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
-                      "ratio_to_llama_cpp": {m: round(v / ref, 3) for m, v in med.items()} if ref else None,
-                      "compile_seconds": built, "new_tokens": counts}))
+        for fn in methods.values():  # warm-up (and the compiles of '*-compile' runtimes)
+            fn(encoded[0][1])
+        turn = 0
+        for _ in tqdm(range(args.repeats), desc="repeats", disable=args.repeats == 1):
+            for d, ids in tqdm(encoded, desc="prompts", leave=False):
+                # back to back, in rotating order: a drift of the machine's speed hits every method alike
+                for m in names[turn % len(names):] + names[:turn % len(names)]:
+                    t = time.perf_counter()
+                    out = methods[m](ids)
+                    seconds = time.perf_counter() - t
+                    count = out["usage"]["completion_tokens"] if isinstance(out, dict) else out.shape[1] - len(ids)
+                    runs[m].append((d, count / seconds, count))
+                turn += 1
+    report = {"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads,
+              "max_new_tokens": n, "prompts": len(encoded), "repeats": args.repeats,
+              "compile_seconds": compile_seconds(target), "datasets": {}}
+    for d in (*sets, "all"):
+        rates = {m: [r for ds, r, _ in runs[m] if d in (ds, "all")] for m in methods}
+        ref = rates.get(LLAMA_CPP)
+        report["datasets"][d] = {m: {
+            "tokens_per_s": round(statistics.median(r), 2),
+            # each run against llama.cpp's run of the same prompt in the same turn, then the median
+            "median_ratio_to_llama_cpp": round(statistics.median(x / y for x, y in zip(r, ref)), 3) if ref else None,
+            "runs_tokens_per_s": [round(x, 1) for x in r]} for m, r in rates.items()}
+    report["new_tokens"] = {m: [c for _, _, c in r] for m, r in runs.items()}
+    print(table(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "results.json", json.dumps(report, indent=2) + "\n")
+        if LLAMA_CPP in methods:
+            plot(report, out / "vs_llama_cpp.png")
+    print(json.dumps({k: v for k, v in report.items() if k != "new_tokens"}))
+
+
+def table(report: dict) -> str:
+    built = report["compile_seconds"]
+    rows = [f"torch.compile (warm-up): {', '.join(f'{k} {v:.0f} s' for k, v in built.items())}"] if built else []
+    rows.append(f"{'dataset':10s} {'method':34s} {'median tok/s':>12s} {'vs llama.cpp':>12s}  per run "
+                f"({report['prompts']} prompts x {report['repeats']}, {report['threads']} threads)")
+    for d, per in report["datasets"].items():
+        for m, x in per.items():
+            ratio = x["median_ratio_to_llama_cpp"]
+            vs = f"{ratio:11.2f}x" if ratio is not None else f"{'-':>12s}"
+            runs = ", ".join(f"{r:.1f}" for r in x["runs_tokens_per_s"]) if d != "all" else ""
+            rows.append(f"{d:10s} {m:34s} {x['tokens_per_s']:12.1f} {vs}  {runs}")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Grouped bars: each method's median ratio to llama.cpp per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(report["datasets"])
+    methods = [m for m in report["datasets"][sets[0]] if m != LLAMA_CPP]
+    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(sets) * max(1, len(methods)) / 2, 3.8))
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]
+        ys = [report["datasets"][d][m]["median_ratio_to_llama_cpp"] for d in sets]
+        ax.bar(xs, ys, width=width, label=m)
+        for x, y in zip(xs, ys):
+            ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(sets)), sets)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel("tokens/s, ratio to llama.cpp (median of runs)")
+    ax.set_title(f"{report['threads']} threads, {report['max_new_tokens']} new tokens, greedy")
+    ax.legend(fontsize=7)
+    save_png(fig, path)
+
 
 if __name__ == "__main__":
     main()
