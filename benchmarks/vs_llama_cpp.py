@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from dflash import ar_generate, spec_generate
-from dflash.bench import BENCH_SETS
+from dflash.bench import BENCH_SETS, ratio_bars
 from dflash.fast import compile_seconds
 from dflash.io import atomic_write_text, save_png
 from dflash.loading import DEFAULT_MODEL, alias_gguf, hardware, load_draft, load_target, shipped_draft
@@ -134,27 +134,11 @@ def table(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Grouped bars: each method's median ratio to llama.cpp per dataset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sets = list(report["datasets"])
     methods = [m for m in report["datasets"][sets[0]] if m != LLAMA_CPP]
-    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(sets) * max(1, len(methods)) / 2, 3.8))
-    width = 0.8 / max(1, len(methods))
-    for j, m in enumerate(methods):
-        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(sets))]
-        ys = [report["datasets"][d][m]["median_ratio_to_llama_cpp"] for d in sets]
-        ax.bar(xs, ys, width=width, label=m)
-        for x, y in zip(xs, ys):
-            ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(sets)), sets)
-    ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_ylabel("tokens/s, ratio to llama.cpp (median of runs)")
-    ax.set_title(f"{report['threads']} threads, {report['max_new_tokens']} new tokens, greedy")
-    ax.legend(fontsize=7)
-    save_png(fig, path)
+    save_png(ratio_bars(sets, {m: [report["datasets"][d][m]["median_ratio_to_llama_cpp"] for d in sets] for m in methods},
+                        "tokens/s, ratio to llama.cpp (median of runs)",
+                        f"{report['threads']} threads, {report['max_new_tokens']} new tokens, greedy"), path)
 
 
 if __name__ == "__main__":

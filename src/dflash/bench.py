@@ -364,18 +364,30 @@ def _plots(results: dict, out: Path) -> list[str]:
         ax.set_ylabel("fraction of steps")
         ax.legend(fontsize=7)
     save_png(fig, out / "acceptance.png")
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names) * max(1, len(methods)) / 2 + 2), 3.8))
-    width = 0.8 / max(1, len(methods))
-    for j, m in enumerate(methods):
-        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
-        sp = [results[n]["methods"][m]["speedup_ratio_of_medians"] for n in names]
-        ax.bar(xs, sp, width=width, label=m)
-        for x, v in zip(xs, sp):
-            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(names)), names)
-    ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_ylabel("speed-up over our AR (tokens/s)")
-    ax.set_title("speed-up per method and dataset")
-    ax.legend(fontsize=8)
+    fig = ratio_bars(names, {m: [results[n]["methods"][m]["speedup_ratio_of_medians"] for n in names]
+                             for m in methods}, "speed-up over our AR (tokens/s)", "speed-up per method and dataset")
     save_png(fig, out / "speedup.png")
     return [str(out / "acceptance.png"), str(out / "speedup.png")]
+
+
+def ratio_bars(groups: list[str], series: dict[str, list[float]], ylabel: str, title: str):
+    """A figure of grouped bars, one group per name in `groups` and one bar per series in each, labelled with
+    its value, over a dashed line at 1 (a speed ratio of 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(groups) * max(1, len(series)) / 2 + 2), 3.8))
+    width = 0.8 / max(1, len(series))
+    for j, (label, values) in enumerate(series.items()):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, values, width=width, label=label)
+        for x, v in zip(xs, values):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    return fig
