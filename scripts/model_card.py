@@ -4,13 +4,16 @@
         --bench BENCH_OUT --out CARD.md
 
 Several --train runs are stages in order, each one starting from the previous (`--init-draft`); LAST_STEP
-says where a stage was cut (its checkpoint that the next stage started from).
+says where a stage was cut (its checkpoint that the next stage started from). When the first run started from
+a shipped draft whose own runs are no longer at hand, --earlier-card takes that draft's card: its stages are
+carried over as it recorded them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 
@@ -39,6 +42,16 @@ def stage(spec: str) -> dict:
             "loss": steps[-1]["loss"] if steps else float("nan"), "tau": taus[-1]["eval_tau"] if taus else float("nan")}
 
 
+def earlier_stages(card: Path) -> tuple[list[str], int, float]:
+    """The stage lines of a draft's card, and its total optimizer steps and hours of training."""
+    text = card.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("- Stage ")]
+    total = re.search(r"^- In all (\d+) steps and ([\d.]+) h of training", text, re.M)
+    if not lines or total is None:
+        raise SystemExit(f"{card} has no training stages to carry over")
+    return lines, int(total.group(1)), float(total.group(2))
+
+
 def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--train", required=True, action="append",
@@ -46,8 +59,10 @@ def main():
     ap.add_argument("--data", required=True, help="the `dflash regenerate` dataset folder")
     ap.add_argument("--bench", required=True, help="the `dflash bench` output folder")
     ap.add_argument("--out", required=True, help="where to write the card")
+    ap.add_argument("--earlier-card", help="card of the draft the first --train run started from")
     args = ap.parse_args()
     stages = [stage(s) for s in args.train]
+    before, before_steps, before_hours = earlier_stages(Path(args.earlier_card)) if args.earlier_card else ([], 0, 0.0)
     first = stages[0]["cfg"]
     manifest = json.loads((Path(args.data) / "manifest.json").read_text())["settings"]
     n_samples = n_tokens = 0
@@ -81,8 +96,9 @@ def main():
         f"{first['draft_vocab_size'] or draft_cfg['vocab_size']} most frequent answer tokens.",
         "",
         "## Training",
+        *before,
     ]
-    for i, s in enumerate(stages):
+    for i, s in enumerate(stages, start=len(before)):
         c = s["cfg"]
         copied = " (layers copied from the target's last ones)" if c.get("init_from_target") else ""
         start = f"a fresh draft{copied}" if i == 0 else "the previous stage"
@@ -94,8 +110,8 @@ def main():
             f"{c['num_anchors']} anchors per sequence, lr {c['lr']} (cosine over {c['epochs']} epoch(s) of "
             f"{c['total_steps'] // c['epochs']} steps), max length {c['max_length']}: {s['steps']} optimizer steps, "
             f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f}.")
-    total = sum(s["wall"] for s in stages) / 3600
-    lines += [f"- In all {sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
+    total = before_hours + sum(s["wall"] for s in stages) / 3600
+    lines += [f"- In all {before_steps + sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
               f"({first['dtype']} target, {first['threads']} threads, {first['device'] or 'cpu'}).", "",
               "## Benchmark (`dflash bench`)", "```", table, "```", ""]
     Path(args.out).write_text("\n".join(lines))

@@ -1,0 +1,71 @@
+"""scripts/model_card.py: a draft's card is built from its runs' records, over sittings and stages."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "model_card.py"
+
+
+def _run_folder(path: Path, *, sittings: list[list[tuple[int, float]]], tau: float, **cfg) -> str:
+    """A `dflash train` output folder: train_config.json, log.jsonl (a clock per sitting), final/config.json."""
+    (path / "final").mkdir(parents=True)
+    config = {"target": "tiny", "method": "eagle3", "block_size": 7, "ttt_steps": None, "num_anchors": 4, "lr": 1e-3,
+              "epochs": 1, "total_steps": 30, "max_length": 64, "train_records": 9, "eval_records": 1,
+              "target_layer_ids": [1, 2, 3], "draft_vocab_size": 16, "dtype": "bfloat16", "threads": 2,
+              "device": None, "mask_token_id": 0, "gamma": 3.0, **cfg}
+    (path / "train_config.json").write_text(json.dumps(config))
+    log = [{"step": step, "loss": 5.0 - step / 10, "seconds": seconds} for sitting in sittings for step, seconds in sitting]
+    log.append({"step": log[-1]["step"], "eval_tau": tau})
+    (path / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
+    (path / "final" / "config.json").write_text(json.dumps(
+        {"draft_method": "eagle3", "block_size": 7, "num_hidden_layers": 1, "vocab_size": 64}))
+    return str(path)
+
+
+def _inputs(tmp: Path) -> dict:
+    data, bench = tmp / "data", tmp / "bench"
+    data.mkdir()
+    bench.mkdir()
+    (data / "manifest.json").write_text(json.dumps(
+        {"settings": {"temperature": 0.0, "max_new_tokens": 32, "sources": ["gsm8k:train"]}}))
+    (data / "shard-00000.jsonl").write_text(
+        json.dumps({"loss_mask": [0, 1, 1]}) + "\n" + json.dumps({"loss_mask": [0, 0, 1, 1, 1]}) + "\n")
+    (bench / "table.txt").write_text("dflash bench: the header\ndataset method\n{\"json\": 1}\n")
+    return {"data": data, "bench": bench}
+
+
+def _card(*args) -> str:
+    out = Path(args[args.index("--out") + 1])
+    subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], check=True, capture_output=True, text=True)
+    return out.read_text()
+
+
+def test_card_adds_up_sittings_and_stages(tmp_path):
+    paths = _inputs(tmp_path)
+    # stage 1 ran in two sittings (the clock restarts at 0) and was cut at step 20 for stage 2
+    one = _run_folder(tmp_path / "one", sittings=[[(10, 600.0), (20, 1200.0)], [(30, 900.0)]], tau=1.5)
+    two = _run_folder(tmp_path / "two", sittings=[[(10, 1800.0)]], tau=1.9, lr=6e-4)
+    card = _card("--train", f"{one}:20", "--train", two, "--data", paths["data"], "--bench", paths["bench"],
+                 "--out", tmp_path / "card.md")
+    assert "2 answers (5 answer tokens)" in card
+    assert "Stage 1, from a fresh draft" in card and "20 optimizer steps, 0.33 h" in card
+    assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h" in card
+    assert "held-out tau 1.90" in card and "In all 30 steps and 0.83 h of training" in card
+    assert "dataset method" in card and '{"json"' not in card
+
+
+def test_card_carries_over_the_stages_of_an_earlier_card(tmp_path):
+    paths = _inputs(tmp_path)
+    one = _run_folder(tmp_path / "one", sittings=[[(10, 600.0), (20, 1200.0)], [(30, 900.0)]], tau=1.5)
+    first = _card("--train", one, "--data", paths["data"], "--bench", paths["bench"], "--out", tmp_path / "first.md")
+    assert "In all 30 steps and 0.58 h of training" in first
+    # the first stage's folder is gone; the next stage started from the draft that card describes
+    two = _run_folder(tmp_path / "two", sittings=[[(40, 3600.0)]], tau=2.0)
+    card = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"],
+                 "--bench", paths["bench"], "--out", tmp_path / "card.md")
+    stage1 = next(line for line in first.splitlines() if line.startswith("- Stage 1"))
+    assert stage1 in card.splitlines()
+    assert "Stage 2, from the previous stage" in card and "held-out tau 2.00" in card
+    assert "In all 70 steps and 1.58 h of training" in card
