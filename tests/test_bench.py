@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,13 @@ def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     assert list(r) == methods[1:] and report["total_mismatches"] == 0
     assert r["ngram"]["tau"] >= 1 and r["eagle3"]["tau"] >= 1 and r["hf"]["tau"] is None
     assert all(f"p            {m}" in table for m in methods[1:])
+    # DFlash against each peer: the median of per-prompt ratios, in the table and the JSON line
+    duel = report["datasets"]["p"]["head_to_head"]
+    assert list(duel) == ["dflash"] and list(duel["dflash"]) == methods[2:]
+    ours, theirs = r["dflash"]["tokens_per_s_per_prompt"], r["eagle3"]["tokens_per_s_per_prompt"]
+    assert len(ours) == 3 and duel["dflash"]["eagle3"] == statistics.median(x / y for x, y in zip(ours, theirs))
+    assert "DFlash against the other methods" in table and f"{duel['dflash']['ngram']:15.2f}x" in table
+    assert json.loads(table.strip().splitlines()[-1])["datasets"]["p"]["head_to_head"]["dflash"]["hf"] > 0
     with pytest.raises(Exception, match="must start with ar"):
         run_bench(BenchConfig(prompts=str(prompts), methods=["dflash"], out=str(tmp_path / "x")), target, tok, draft)
     with pytest.raises(Exception, match="needs --assistant-model"):

@@ -3,8 +3,8 @@
 Per prompt, AR and DFlash run back to back in one process (alternating which goes first, after a warm-up);
 at temperature 0 the DFlash output must equal the AR output token for token. Per dataset: τ, the acceptance
 histogram, AR and DFlash tokens/s (medians over prompts), the speed-up as a ratio of medians and as the
-median of per-prompt ratios, and time to first token. Writes results.json and PNG plots; ends stdout with
-one JSON line.
+median of per-prompt ratios, and time to first token. With peers (`methods`), also DFlash's speed over each
+peer's, paired per prompt. Writes results.json and PNG plots; ends stdout with one JSON line.
 """
 
 from __future__ import annotations
@@ -197,6 +197,18 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     return {m: table[m]() for m in cfg.methods}
 
 
+OURS = ("dflash", "dflash-adaptive")
+
+
+def head_to_head(speed: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """DFlash against every other speculative method run beside it: per DFlash method and peer, the median
+    over prompts of DFlash's tokens/s over the peer's on the same prompt (> 1: DFlash is faster). Taken per
+    prompt, so the machine's drift between prompts cancels, as in the speed-up over AR."""
+    peers = [m for m in speed if m != "ar" and m not in OURS]
+    return {o: {p: statistics.median(x / y for x, y in zip(speed[o], speed[p])) for p in peers}
+            for o in OURS if o in speed and peers}
+
+
 def early_exit_layer(cfg: BenchConfig, target) -> int:
     n = target.config.get_text_config().num_hidden_layers
     layer = cfg.early_exit_layer if cfg.early_exit_layer is not None else max(1, n // 4)
@@ -265,8 +277,9 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
                     mismatches[m] += _compare(target, name, m, chunk, ids, mask, runs["ar"].tokens,
                                               runs[m].tokens, cfg.runtime)
         med_ar = statistics.median(speed["ar"])
-        entry = {"prompts": len(prompts), "ar_tokens_per_s": med_ar,
-                 "ar_ttft_ms": 1000 * statistics.median(ttft["ar"]), "methods": {}}
+        entry = {"prompts": len(prompts), "ar_tokens_per_s": med_ar, "ar_tokens_per_s_per_prompt": speed["ar"],
+                 "ar_ttft_ms": 1000 * statistics.median(ttft["ar"]), "methods": {},
+                 "head_to_head": head_to_head(speed)}
         for m in mismatches:
             hist = None
             if acc[m]:
@@ -277,6 +290,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
             entry["methods"][m] = {
                 "tokens_per_s": med, "speedup_ratio_of_medians": med / med_ar,
                 "speedup_median_of_ratios": statistics.median(x / a for a, x in zip(speed["ar"], speed[m])),
+                "tokens_per_s_per_prompt": speed[m],
                 "tau": sum(acc[m]) / len(acc[m]) if acc[m] else None, "acceptance_histogram": hist,
                 "ttft_ms": 1000 * statistics.median(ttft[m]), "mismatches": mismatches[m],
             }
@@ -297,7 +311,9 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
         k: {"ar_tok_s": round(v["ar_tokens_per_s"], 2), **{m: {
             "tau": None if x["tau"] is None else round(x["tau"], 3), "speedup": round(x["speedup_ratio_of_medians"], 3),
             "tok_s": round(x["tokens_per_s"], 2), "mismatches": len(x["mismatches"]),
-            "near_ties": sum(y["near_tie"] for y in x["mismatches"])} for m, x in v["methods"].items()}}
+            "near_ties": sum(y["near_tie"] for y in x["mismatches"])} for m, x in v["methods"].items()},
+            **({"head_to_head": {o: {p: round(r, 3) for p, r in d.items()} for o, d in v["head_to_head"].items()}}
+               if v["head_to_head"] else {})}
         for k, v in results.items()}, "results": str(out / "results.json")}) + "\n")
     return report
 
@@ -339,6 +355,14 @@ def format_table(report: dict) -> str:
                         f"{x['tokens_per_s']:7.1f} {x['speedup_ratio_of_medians']:7.2f}x "
                         f"{x['speedup_median_of_ratios']:8.2f}x {r['ar_ttft_ms']:8.0f}/{x['ttft_ms']:<9.0f} "
                         f"{len(x['mismatches']):8d}")
+    duels = {name: r["head_to_head"] for name, r in report["datasets"].items() if r.get("head_to_head")}
+    if duels:
+        peers = list(next(iter(next(iter(duels.values())).values())))
+        rows += ["", "DFlash against the other methods: median over prompts of DFlash's tokens/s over the method's "
+                 "(> 1: DFlash is faster)", f"{'dataset':12s} {'':16s} " + " ".join(f"{p:>16s}" for p in peers)]
+        for name, duel in duels.items():
+            for o, ratios in duel.items():
+                rows.append(f"{name:12s} {o:16s} " + " ".join(f"{ratios[p]:15.2f}x" for p in peers))
     return "\n".join(rows)
 
 
