@@ -116,8 +116,8 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token, runtime: str = "
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "ngram", "hf", "hf-prompt-lookup", "hf-assisted",
-           "hf-early-exit")
+METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "eagle3-adaptive", "ngram", "hf", "hf-prompt-lookup",
+           "hf-assisted", "hf-early-exit")
 
 
 @dataclass
@@ -188,6 +188,9 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
 
     table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
              "dflash-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True), "eagle3": lambda: ours(eagle),
+             # the chain as long as pays for itself, step by step: the peer of dflash-adaptive (EAGLE's own
+             # drafts are dynamic too)
+             "eagle3-adaptive": lambda: ours(eagle, adaptive=True),
              "ngram": lambda: ours(NgramDraft(num_tokens=cfg.ngram_tokens)),
              "hf": lambda: hf(), "hf-prompt-lookup": lambda: hf(prompt_lookup_num_tokens=cfg.ngram_tokens),
              "hf-assisted": lambda: hf(assistant_model=assistant),
@@ -225,7 +228,7 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
         raise DFlashError("--methods must start with ar: every method is checked against it and timed relative to it")
     if {"dflash", "dflash-adaptive"} & set(cfg.methods) and draft is None:
         raise DFlashError("method dflash needs a draft: pass --draft DIR")
-    if "eagle3" in cfg.methods and eagle is None:
+    if {"eagle3", "eagle3-adaptive"} & set(cfg.methods) and eagle is None:
         raise DFlashError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle-draft DIR")
     if "hf-assisted" in cfg.methods and assistant is None:
         raise DFlashError("method hf-assisted needs --assistant-model (a smaller model with the same tokenizer)")

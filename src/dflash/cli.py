@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
-                    "width), eagle3 (the EAGLE-3-style chain drafter), ngram (prompt lookup through our loop), hf "
+                    "width), eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), ngram (prompt lookup through our loop), hf "
                     "(transformers generate), hf-prompt-lookup, hf-assisted, hf-early-exit (transformers' "
                     "LayerSkip self-speculation)")
     be.add_argument("--eagle-draft", default=None,
@@ -415,7 +415,7 @@ def cmd_bench(args) -> int:
         if draft_path is None:
             raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
         draft = load_draft(draft_path, target)
-    if "eagle3" in methods:
+    if {"eagle3", "eagle3-adaptive"} & set(methods):
         eagle_path = args.eagle_draft or shipped_draft(args.model, "eagle3")
         if eagle_path is None:
             raise DFlashError(f"method eagle3 needs --eagle-draft DIR (from `dflash train --method eagle3`): none is "
