@@ -15,7 +15,7 @@ WORK="${WORK:-runs/default-draft}"
 MODEL="smollm2-135m-instruct"
 THREADS="${THREADS:-2}"
 CHAIN="${CHAIN:-6}"                          # proposals per step (verify width CHAIN+1), unrolled in training
-PROMPTS="${PROMPTS:-20}"                     # prompts per dataset in the comparison
+PROMPTS="${PROMPTS:-5}"                      # prompts per dataset in the comparison
 SHIP="src/dflash/drafts/$MODEL-eagle3"
 
 train() {
@@ -33,7 +33,8 @@ cp "$FINAL/model.safetensors" "$FINAL/config.json" "$SHIP/"
 
 # every method on the same prompts in one process; the shipped drafts are the defaults of --draft/--eagle-draft
 mkdir -p "$WORK/bench-peers"
-dflash bench --model "$MODEL" --methods ar,dflash,eagle3,ngram,hf,hf-prompt-lookup,hf-early-exit \
-    --datasets gsm8k,math500,humaneval,mbpp,mt-bench --num-prompts "$PROMPTS" --max-new-tokens 256 \
+dflash bench --model "$MODEL" \
+    --methods ar,dflash,dflash-adaptive,eagle3,eagle3-adaptive,ngram,hf,hf-prompt-lookup,hf-early-exit \
+    --datasets gsm8k,math500,humaneval,mbpp --num-prompts "$PROMPTS" --max-new-tokens 256 \
     --threads "$THREADS" --out "$WORK/bench-peers" | tee "$WORK/bench-peers/table.txt"
 python scripts/model_card.py --train "$WORK/eagle3" --train "$WORK/eagle3-2" --data "$WORK/data" --bench "$WORK/bench-peers" --out "$SHIP/README.md"

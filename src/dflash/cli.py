@@ -127,9 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
-                    "width), eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), ngram (prompt lookup through our loop), hf "
-                    "(transformers generate), hf-prompt-lookup, hf-assisted, hf-early-exit (transformers' "
-                    "LayerSkip self-speculation)")
+                    "width), eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
+                    "ngram (prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, "
+                    "hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
     be.add_argument("--eagle-draft", default=None,
                     help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
