@@ -116,8 +116,9 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token, runtime: str = "
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-METHODS = ("ar", "dflash", "dflash-adaptive", "eagle3", "eagle3-adaptive", "ngram", "hf", "hf-prompt-lookup",
-           "hf-assisted", "hf-early-exit")
+DFLASH_METHODS = ("dflash", "dflash-adaptive")  # the methods that need a DFlash draft
+EAGLE_METHODS = ("eagle3", "eagle3-adaptive")  # ... an EAGLE-3-style drafter
+METHODS = ("ar", *DFLASH_METHODS, *EAGLE_METHODS, "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit")
 
 
 @dataclass
@@ -200,16 +201,17 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     return {m: table[m]() for m in cfg.methods}
 
 
-OURS = ("dflash", "dflash-adaptive")
+def median_ratio(num: list[float], den: list[float]) -> float:
+    """Median over prompts of num's speed over den's on the same prompt: the machine's drift cancels."""
+    return statistics.median(x / y for x, y in zip(num, den))
 
 
 def head_to_head(speed: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """DFlash against every other speculative method run beside it: per DFlash method and peer, the median
     over prompts of DFlash's tokens/s over the peer's on the same prompt (> 1: DFlash is faster). Taken per
     prompt, so the machine's drift between prompts cancels, as in the speed-up over AR."""
-    peers = [m for m in speed if m != "ar" and m not in OURS]
-    return {o: {p: statistics.median(x / y for x, y in zip(speed[o], speed[p])) for p in peers}
-            for o in OURS if o in speed and peers}
+    peers = [m for m in speed if m != "ar" and m not in DFLASH_METHODS]
+    return {o: {p: median_ratio(speed[o], speed[p]) for p in peers} for o in DFLASH_METHODS if o in speed and peers}
 
 
 def early_exit_layer(cfg: BenchConfig, target) -> int:
@@ -226,9 +228,9 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
         raise DFlashError(f"unknown method(s) {unknown} (known: {', '.join(METHODS)})")
     if cfg.methods[:1] != ["ar"]:
         raise DFlashError("--methods must start with ar: every method is checked against it and timed relative to it")
-    if {"dflash", "dflash-adaptive"} & set(cfg.methods) and draft is None:
+    if set(DFLASH_METHODS) & set(cfg.methods) and draft is None:
         raise DFlashError("method dflash needs a draft: pass --draft DIR")
-    if {"eagle3", "eagle3-adaptive"} & set(cfg.methods) and eagle is None:
+    if set(EAGLE_METHODS) & set(cfg.methods) and eagle is None:
         raise DFlashError("method eagle3 needs an EAGLE-3-style drafter: pass --eagle-draft DIR")
     if "hf-assisted" in cfg.methods and assistant is None:
         raise DFlashError("method hf-assisted needs --assistant-model (a smaller model with the same tokenizer)")
@@ -292,7 +294,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
             med = statistics.median(speed[m])
             entry["methods"][m] = {
                 "tokens_per_s": med, "speedup_ratio_of_medians": med / med_ar,
-                "speedup_median_of_ratios": statistics.median(x / a for a, x in zip(speed["ar"], speed[m])),
+                "speedup_median_of_ratios": median_ratio(speed[m], speed["ar"]),
                 "tokens_per_s_per_prompt": speed[m],
                 "tau": sum(acc[m]) / len(acc[m]) if acc[m] else None, "acceptance_histogram": hist,
                 "ttft_ms": 1000 * statistics.median(ttft[m]), "mismatches": mismatches[m],

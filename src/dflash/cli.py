@@ -405,17 +405,17 @@ def cmd_regenerate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import BenchConfig, run_bench
+    from .bench import DFLASH_METHODS, EAGLE_METHODS, BenchConfig, run_bench
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     draft_path = draft = assistant = eagle = eagle_path = None
-    if {"dflash", "dflash-adaptive"} & set(methods):
+    if set(DFLASH_METHODS) & set(methods):
         draft_path = args.draft or shipped_draft(args.model)
         if draft_path is None:
             raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
         draft = load_draft(draft_path, target)
-    if {"eagle3", "eagle3-adaptive"} & set(methods):
+    if set(EAGLE_METHODS) & set(methods):
         eagle_path = args.eagle_draft or shipped_draft(args.model, "eagle3")
         if eagle_path is None:
             raise DFlashError(f"method eagle3 needs --eagle-draft DIR (from `dflash train --method eagle3`): none is "
