@@ -6,8 +6,8 @@
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_eagle3_draft.sh
 #
-# The shipped peer trained one epoch (3088 steps, 71 minutes on this 2-core CPU) and reached a held-out tau of
-# 1.78. The shipped DFlash draft trained longer (three stages, about 2.5 times the steps).
+# The shipped peer trained both stages on this 2-core CPU: 3088 + 8000 steps in 4.34 h (the DFlash draft: 4.51 h),
+# held-out tau 1.78 after stage 1 and 1.95 after stage 2 (its model card has the numbers and the bench table).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding gsm8k/, mbpp/, math500/}"
