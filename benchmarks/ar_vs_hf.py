@@ -21,7 +21,8 @@ import torch
 
 from dflash import ar_generate
 from dflash.fast import RUNTIMES, compile_seconds
-from dflash.loading import DEFAULT_MODEL, hardware, load_target
+from dflash.loading import DEFAULT_MODEL, load_target
+from dflash.machine import hardware
 
 PROMPTS = [
     "Explain why the sky is blue to a ten-year-old.",

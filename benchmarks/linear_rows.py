@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from dflash import kernels
 from dflash.fast import Int4Weight, Int8Weight
-from dflash.loading import DEFAULT_MODEL, hardware, load_target
+from dflash.loading import DEFAULT_MODEL, load_target
+from dflash.machine import hardware
 
 ROWS = (1, 2, 4, 8, 16)
 

@@ -16,7 +16,8 @@ from dflash import ar_generate, spec_generate
 from dflash import fast as fast_mod
 from dflash import model as model_mod
 from dflash import target as target_mod
-from dflash.loading import DEFAULT_MODEL, hardware, load_draft, load_target
+from dflash.loading import DEFAULT_MODEL, load_draft, load_target
+from dflash.machine import hardware
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
           "How many clips did Natalia sell altogether in April and May?")

@@ -22,9 +22,10 @@ from tqdm.auto import tqdm
 
 from dflash import ar_generate
 from dflash.generate import default_stop_token_ids
-from dflash.loading import DEFAULT_MODEL, hardware, load_target
+from dflash.loading import DEFAULT_MODEL, load_target
+from dflash.machine import hardware
 from dflash.prompts import read_prompts
-from dflash.regenerate import encode_prompt, left_pad, pad_id_for
+from dflash.prompts import encode_prompt, left_pad, pad_id_for
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 

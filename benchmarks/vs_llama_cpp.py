@@ -29,9 +29,10 @@ from dflash import ar_generate, spec_generate
 from dflash.bench import BENCH_SETS, ratio_bars
 from dflash.fast import compile_seconds
 from dflash.io import atomic_write_text, save_png
-from dflash.loading import DEFAULT_MODEL, alias_gguf, hardware, load_draft, load_target, shipped_draft
+from dflash.loading import DEFAULT_MODEL, alias_gguf, load_draft, load_target, shipped_draft
+from dflash.machine import hardware
 from dflash.prompts import read_prompts
-from dflash.regenerate import encode_prompt
+from dflash.prompts import encode_prompt
 
 LLAMA_CPP = "llama.cpp (gguf as is)"
 

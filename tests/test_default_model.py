@@ -39,7 +39,7 @@ def test_shipped_drafts_fit_and_accept_on_gsm8k(method, min_tau):
 
     from dflash.loading import load_draft, shipped_draft
     from dflash.prompts import read_prompts
-    from dflash.regenerate import encode_prompt
+    from dflash.prompts import encode_prompt
 
     if shipped_draft("smollm2-135m-instruct", method) is None:
         pytest.skip(f"no {method} draft is shipped for the default model yet")

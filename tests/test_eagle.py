@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from dflash import DFlashDraftModel, spec_generate
+from dflash import DFlashDraftModel, load_draft, spec_generate
 from dflash.eagle import Eagle3DraftModel, Eagle3TrainStep, ttt_masks
 from dflash.engine import LLMEngine
-from dflash.errors import DFlashInputError
+from dflash.errors import DFlashConfigError, DFlashInputError
 from dflash.model import DraftKVCache
 from dflash.train import target_features, train
 from test_lossless import MAX_NEW, new_tokens, references
@@ -90,8 +90,10 @@ def test_eagle3_trainer_learns_saves_and_reloads(lang, tmp_path):  # noqa: F811
     assert tau(Eagle3DraftModel.from_target(target, block_size=5)) < 1.5
     train(cfg_for(root, tmp_path / "run", method="eagle3", block_size=5, epochs=6), target=target, tokenizer=tok,
           progress=False)
-    draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "final", target=target)
+    draft = load_draft(tmp_path / "run" / "final", target)
     assert isinstance(draft, Eagle3DraftModel) and draft.config.draft_method == "eagle3"
+    with pytest.raises(DFlashConfigError, match="holds a eagle3 draft, not a dflash one"):
+        DFlashDraftModel.from_pretrained(tmp_path / "run" / "final", target=target)
     saved = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert saved["architectures"] == ["Eagle3DraftModel"] and saved["draft_method"] == "eagle3"
     assert tau(draft) >= 2.5

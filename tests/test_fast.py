@@ -8,6 +8,7 @@ from dflash import DFlashDraftModel, ar_generate, kernels, spec_generate
 from dflash.errors import DFlashConfigError
 from dflash.fast import FastTargetAdapter, Int4Weight, fast_unsupported, make_adapter
 from dflash.target import TargetAdapter
+from cpu_features import needs_bf16_packing, needs_int4_kernel
 from tiny import ragged_batch, tiny_target
 
 FAST = ["llama", "qwen2", "qwen3", "mistral"]
@@ -85,12 +86,8 @@ def test_quantized_runtime_is_lossless_against_its_own_plain_decoding(arch, quan
     assert 0 < err < {"fast-int8": 0.25, "fast-int4": 1.0}[quantized]
 
 
-@pytest.mark.parametrize("kernel", ["torch", "dflash"])
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("dflash", marks=needs_int4_kernel)])
 def test_int4_recovers_weights_stored_on_a_4_bit_grid(kernel, monkeypatch):
-    from dflash import kernels
-
-    if kernel == "dflash" and not kernels.int4_kernel():
-        pytest.skip("dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
     monkeypatch.setattr(kernels, "int4_kernel", lambda: kernel == "dflash")
     # a weight as GGUF Q4_1 stores it, de-quantised: per group of 32, offset + scale * (0..15), both fp16
     g = torch.Generator().manual_seed(0)
@@ -113,11 +110,13 @@ def test_int4_recovers_weights_stored_on_a_4_bit_grid(kernel, monkeypatch):
         Int4Weight(torch.randn(8, 40))
 
 
-@pytest.mark.parametrize("arch,runtime,packs", [("llama", "fast", False), ("qwen3", "fast", False),
-                                               ("llama", "fast-int4", True), ("qwen3", "fast-int8", False)])
+@pytest.mark.parametrize("arch,runtime,packs", [
+    ("llama", "fast", False), ("qwen3", "fast", False), ("qwen3", "fast-int8", False), ("llama", "fast-int4", False),
+    pytest.param("llama", "fast-int4", True, marks=needs_bf16_packing)])
 def test_a_long_prompt_pass_multiplies_by_the_models_own_weights(arch, runtime, packs, monkeypatch):
     # where the CPU has no bf16 kernels (AVX2-only), or the runtime's kernels are quantised, a long prompt pass
-    # multiplies by the HF layers' weights (in fp32 without bf16 kernels); every later step keeps the runtime's
+    # multiplies by the HF layers' weights (in fp32 without bf16 kernels); every later step keeps the runtime's.
+    # A CPU cannot be made to pack when it cannot; one that can is made to behave as one that cannot
     from dflash import fast, kernels
 
     monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: packs)
@@ -206,8 +205,7 @@ def test_compiled_draft_proposes_and_writes_context_as_the_eager_one():
     assert all(new is not old for new, old in zip(draft.compiled(), graphs))
 
 
-@pytest.mark.skipif(not kernels.packable(torch.zeros(8, 8, dtype=torch.bfloat16)),
-                    reason="no oneDNN bf16 weight packing on this CPU: nothing packed to compile through")
+@needs_bf16_packing
 def test_compiled_runtime_multiplies_by_the_packed_bf16_weights():
     # packed weights have oneDNN's own layout, which torch.compile can only call through dflash::packed_linear
     ids, mask = ragged_batch([6], seed=9)

@@ -8,10 +8,8 @@ import torch.nn.functional as F
 from dflash import kernels
 from dflash.errors import DFlashConfigError
 from dflash.kernels import Linear, linear
+from cpu_features import needs_bf16_packing, needs_int4_kernel
 
-needs_onednn = pytest.mark.skipif(
-    not (kernels._ONEDNN and kernels._cpu_packs(torch.bfloat16)),
-    reason="no oneDNN bf16 weight packing here (PyTorch without oneDNN, or a CPU without AVX-512/AVX-NE-CONVERT)")
 
 
 def test_where_the_cpu_cannot_pack_few_rows_take_f_linear_and_more_multiply_in_fp32(monkeypatch):
@@ -31,7 +29,7 @@ def test_where_the_cpu_cannot_pack_few_rows_take_f_linear_and_more_multiply_in_f
             w.mul_(2)
 
 
-@needs_onednn
+@needs_bf16_packing
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48), (64, 48)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bitwise_f_linear_in_bf16(shape, bias):
@@ -49,7 +47,7 @@ def test_packed_linear_is_bitwise_f_linear_in_bf16(shape, bias):
         assert torch.equal(linear(strided, w, b), F.linear(strided.contiguous(), w, b))
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_packed_weight_follows_in_place_updates_and_replacement():
     layer = Linear(32, 16).bfloat16()
     x = torch.randn(3, 32).bfloat16()
@@ -62,7 +60,7 @@ def test_packed_weight_follows_in_place_updates_and_replacement():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_packs_weights_made_under_inference_mode():
     with torch.inference_mode():
         w = torch.cat([torch.randn(8, 32), torch.randn(8, 32)]).bfloat16()  # e.g. a fused q/k/v weight
@@ -83,7 +81,7 @@ def test_training_and_fp32_take_f_linear():
     assert w32 not in kernels._packed
 
 
-@needs_onednn
+@needs_bf16_packing
 def test_bf16_generation_is_the_same_with_and_without_packing(monkeypatch):
     from dflash import DFlashDraftModel, ar_generate, spec_generate
     from dflash.fast import fast_forward
@@ -124,8 +122,6 @@ def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_
     assert torch.equal(spec, ar_generate(target, ids, mask, **kw))
 
 
-needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(),
-                                       reason="dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
 
 
 def _int4_reference(x: torch.Tensor, w: kernels.Int4Weight) -> torch.Tensor:

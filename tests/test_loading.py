@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash import DFlashConfigError, DFlashDraftModel, ar_generate, spec_generate
-from dflash import loading
+from dflash import loading, machine
 from dflash.loading import DFlashLoadError, load_draft, load_target
 from tiny_gguf import write_tiny_gguf
 
@@ -93,7 +93,7 @@ def test_defaults_bf16_on_cpu_and_threads(tiny_gguf, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     model, _ = load_target(tiny_gguf, device="cpu")
     assert model.dtype == torch.bfloat16
-    assert torch.get_num_threads() == loading.physical_cores()
+    assert torch.get_num_threads() == machine.physical_cores()
     load_target(tiny_gguf, device="cpu", threads=1)
     assert torch.get_num_threads() == 1
 

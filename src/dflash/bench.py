@@ -242,8 +242,8 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
 def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None) -> dict:
     from .generate import default_stop_token_ids
     from .fast import compile_seconds
-    from .loading import hardware
-    from .regenerate import encode_prompt, left_pad, pad_id_for
+    from .machine import hardware
+    from .prompts import encode_prompt, left_pad, pad_id_for
 
     cfg.methods = list(cfg.methods)
     _check_methods(cfg, draft, assistant, eagle)

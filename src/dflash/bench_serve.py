@@ -174,7 +174,7 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
     bf16 can flip it without any bug. Anything else is reported as unexplained."""
     from .bench import _first_difference, _tie_check
     from .loading import load_target
-    from .regenerate import encode_prompt
+    from .prompts import encode_prompt
 
     pairs = [(d["concurrency"], i, x, y) for d, a in zip(results["dflash"], results["ar"])
              for i, (x, y) in enumerate(zip(d["texts"], a["texts"])) if x != y]
@@ -247,7 +247,7 @@ def run_bench_serve(args) -> dict:
         lines.append(f"WARNING: {mismatches} greedy answers differ between DFlash and AR: {near_ties} part at a "
                      f"near-tie within the dtype's rounding, {mismatches - near_ties} unexplained")
     print("\n".join(lines))
-    from .loading import hardware
+    from .machine import hardware
 
     report = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "results": results,
               # the servers this command started ran here; a --base-url server's machine is unknown

@@ -298,7 +298,7 @@ class Session:
         self.generator = torch.Generator(device=self.target.device).manual_seed(args.seed)
 
     def encode(self, messages: list[dict]) -> torch.Tensor:
-        from .regenerate import encode_prompt
+        from .prompts import encode_prompt
 
         return torch.tensor([encode_prompt(self.tokenizer, messages, self.args.system)], dtype=torch.long)
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental import _config as shape_config
 
-from .loading import dflash_home
+from .machine import dflash_home
 
 _copies = itertools.count()
 

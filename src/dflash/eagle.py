@@ -68,6 +68,8 @@ class Eagle3DraftModel(DFlashDraftModel):
     """`fc` fuses the tapped target layers; `hidden_norm` normalises the feature stream (target features, or
     the draft's own previous output) before it meets the token embedding; `norm` precedes the shared LM head."""
 
+    DRAFT_METHOD = "eagle3"
+
     def __init__(self, config):
         super().__init__(config)
         if config.num_hidden_layers != 1:

@@ -24,7 +24,7 @@ from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
 from .model import DFlashDraftModel
-from .regenerate import left_pad
+from .prompts import left_pad
 from .sampling import SamplingParams, choose_tokens
 
 log = logging.getLogger(__name__)

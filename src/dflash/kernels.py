@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import DFlashConfigError
-from .loading import cpuinfo, dflash_home
+from .machine import cpu_flags, cpu_has, dflash_home
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
@@ -46,10 +46,22 @@ WIDEN_ROWS = 4
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-@functools.cache
+# what oneDNN's packed half-precision products need: AVX-512 (bw/vl/dq) or AVX-NE-CONVERT for bf16,
+# AVX512-FP16 or AVX-NE-CONVERT for fp16
+_PACK_FLAGS = {torch.bfloat16: ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"}),
+               torch.float16: ({"avx512_fp16"}, {"avx_ne_convert"})}
+
+
 def _cpu_packs(dtype: torch.dtype) -> bool:
-    """Whether this CPU's oneDNN packs weights of this dtype: bf16 needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT,
-    fp16 AVX512-FP16 or AVX-NE-CONVERT. oneDNN's own check is the authority, so ask it with a tiny weight."""
+    """Whether this CPU's oneDNN packs weights of this dtype. The CPU's flags rule it out (DFLASH_MAX_CPU_ISA
+    included, see dflash.machine); where they allow it, oneDNN's own check is the authority."""
+    if any(cpu_has(*flags) is not False for flags in _PACK_FLAGS[dtype]):
+        return _onednn_packs(dtype)
+    return False
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
     except RuntimeError:
@@ -201,7 +213,7 @@ def int4_kernel() -> bool:
     choice = int4_kernel_choice()
     if choice == "torch":
         return False
-    missing = _VNNI_FLAGS - set((cpuinfo("flags") or "").split())
+    missing = _VNNI_FLAGS - (cpu_flags() or set())
     try:
         if missing:
             raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")

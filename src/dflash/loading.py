@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import platform
 import re
 import shutil
 import sys
@@ -17,6 +16,7 @@ import torch
 
 from .errors import DFlashError
 from .io import normal_permissions
+from .machine import default_device, dflash_home, set_default_threads
 
 
 class DFlashLoadError(DFlashError):
@@ -40,66 +40,6 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_DRAFTS_DIR = Path(__file__).parent / "drafts"
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def dflash_home() -> Path:
-    return Path(os.environ.get("DFLASH_HOME") or Path.home() / ".cache" / "dflash")
-
-
-def physical_cores() -> int:
-    """Physical cores (not hyper-threads) of this machine, from /proc/cpuinfo where it exists."""
-    try:
-        cores = set()
-        phys = core = None
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "physical id":
-                    phys = value.strip()
-                elif key == "core id":
-                    core = value.strip()
-                elif not line.strip():
-                    if core is not None:
-                        cores.add((phys, core))
-                    phys = core = None
-        if cores:
-            return min(len(cores), os.cpu_count() or len(cores))
-    except OSError:
-        pass
-    return os.cpu_count() or 1
-
-
-def set_default_threads(threads: int | None = None) -> int:
-    """torch intra-op threads: `threads`, else OMP_NUM_THREADS if the user set it, else the physical cores."""
-    if threads is None:
-        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else physical_cores()
-    torch.set_num_threads(max(1, threads))
-    return torch.get_num_threads()
-
-
-def hardware(device: torch.device | str | None = None) -> str:
-    """What the numbers were measured on, e.g. "AMD EPYC (AVX2)" or "NVIDIA H200": the CPU's vector ISA
-    decides which kernels are fast (without AVX-512, bf16 products of several rows cost several times one row),
-    so a benchmark result means little without it."""
-    device = torch.device(device) if device is not None else default_device()
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    name = cpuinfo("model name") or platform.processor() or platform.machine()
-    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
-
-
-def cpuinfo(field: str) -> str | None:
-    """The first value of a /proc/cpuinfo field ("model name", "flags"), None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.partition(":")[2].strip() for line in f if line.startswith(field)), None)
-    except OSError:
-        return None
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _resolve_dtype(dtype, device: torch.device):
@@ -272,8 +212,10 @@ def shipped_draft(model_name: str | os.PathLike, method: str = "dflash") -> Path
 
 def load_draft(path_or_alias: str | os.PathLike, target, *, device=None, dtype=None, method: str = "dflash"):
     """Loads a draft (folder, hub id, or a built-in model alias for its shipped draft of `method`) and checks it
-    fits."""
-    from .model import DFlashDraftModel
+    fits. The class is the one its config's `draft_method` names (DFlash, or the EAGLE-3-style peer)."""
+    from .config import DFlashConfig
+    from .eagle import Eagle3DraftModel
+    from .model import DFlashDraftModel, draft_folder
 
     name = os.fspath(path_or_alias)
     if name.lower() in ALIASES:
@@ -287,4 +229,7 @@ def load_draft(path_or_alias: str | os.PathLike, target, *, device=None, dtype=N
         location = name  # from_pretrained fetches it (or finds it in the hub cache)
     else:
         raise DFlashLoadError(f"draft path does not exist: {name}")
-    return DFlashDraftModel.from_pretrained(location, target=target, device=device, dtype=dtype)
+    if not os.path.isdir(location):
+        location = draft_folder(location)
+    cls = {c.DRAFT_METHOD: c for c in (DFlashDraftModel, Eagle3DraftModel)}[DFlashConfig.load(location).draft_method]
+    return cls.from_pretrained(location, target=target, device=device, dtype=dtype)

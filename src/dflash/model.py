@@ -167,6 +167,8 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """Block-diffusion draft. Owns no embedding or LM head: `bind(target)` borrows the target's, frozen."""
 
+    DRAFT_METHOD = "dflash"  # the config's draft_method this class loads
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
@@ -294,12 +296,11 @@ class DFlashDraftModel(nn.Module):
 
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
-            directory = _download(directory)
+            directory = draft_folder(directory)
         config = DFlashConfig.load(directory)
-        if config.draft_method == "eagle3" and cls is DFlashDraftModel:
-            from .eagle import Eagle3DraftModel
-
-            cls = Eagle3DraftModel
+        if config.draft_method != cls.DRAFT_METHOD:
+            raise DFlashConfigError(f"{directory} holds a {config.draft_method} draft, not a {cls.DRAFT_METHOD} one: "
+                                    "load it with dflash.load_draft, which picks the class its config names")
         model = cls(config)
         path = os.path.join(directory, "model.safetensors")
         if not os.path.isfile(path):
@@ -514,7 +515,7 @@ def choose_mask_token_id(target, tokenizer=None) -> int:
     return rows - 1
 
 
-def _download(repo_id: str) -> str:
+def draft_folder(repo_id: str) -> str:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover

@@ -2,7 +2,8 @@
 
 A record gives its conversation as `messages` (OpenAI style), `prompt` (a string), or `turns` (a list of user
 turns; the first is used). Named sets (`gsm8k:train`, `mbpp:train`, `chat`, ...) are read from a data folder:
-`--data-dir`, else $DFLASH_DATA_DIR.
+`--data-dir`, else $DFLASH_DATA_DIR. A conversation becomes token ids through the tokenizer's chat template
+(`encode_prompt`), and prompts of a batch are left-padded (`left_pad`), the HF convention.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from .errors import DFlashError
 
@@ -147,3 +150,29 @@ def _iter_jsonl(path: Path, bad: list[BadLine]):
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 bad.append(BadLine(f"{path}:{lineno}", f"invalid JSON ({e.msg})"))
+
+
+def encode_prompt(tokenizer, messages: list[dict], system: str | None = None) -> list[int]:
+    if system:
+        messages = [{"role": "system", "content": system}] + messages
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+
+def pad_id_for(tokenizer, stop_ids: list[int]) -> int:
+    """Padding id for left-padded prompt batches (masked out, so any valid id works)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return stop_ids[0] if stop_ids else 0
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), P, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):] = torch.tensor(r)
+        mask[i, P - len(r):] = 1
+    return ids, mask

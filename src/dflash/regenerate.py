@@ -20,7 +20,7 @@ import torch
 
 from .errors import DFlashError
 from .io import atomic_write_text
-from .prompts import BadLine, read_prompts
+from .prompts import BadLine, encode_prompt, left_pad, pad_id_for, read_prompts
 
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
 
@@ -48,32 +48,6 @@ class RegenerateConfig:
         d = asdict(self)  # batch_size stays: chunk boundaries must not move
         del d["output"], d["limit"], d["base_url"], d["runtime"]  # where/how the model runs may change
         return d
-
-
-def encode_prompt(tokenizer, messages: list[dict], system: str | None = None) -> list[int]:
-    if system:
-        messages = [{"role": "system", "content": system}] + messages
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
-    return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-
-
-def pad_id_for(tokenizer, stop_ids: list[int]) -> int:
-    """Padding id for left-padded prompt batches (masked out, so any valid id works)."""
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    return stop_ids[0] if stop_ids else 0
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), P, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):] = torch.tensor(r)
-        mask[i, P - len(r):] = 1
-    return ids, mask
 
 
 def fixed_order(items: list, batch_size: int, seed: int, window: int = 8) -> list:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field, field_validator
 from .engine import LLMEngine, QueueFullError, Sequence
 from .errors import DFlashInputError
 from .metrics import EngineMetrics
-from .regenerate import encode_prompt
+from .prompts import encode_prompt
 from .sampling import SamplingParams
 
 

@@ -386,7 +386,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
 
     resume_from = latest_checkpoint(out) if cfg.resume else None
     if resume_from is not None:
-        draft = DFlashDraftModel.from_pretrained(resume_from, target=target, dtype=torch.float32)
+        draft = load_draft(resume_from, target, dtype=torch.float32)
     elif cfg.init_draft:
         draft = load_draft(cfg.init_draft, target, dtype=torch.float32)
         if draft.config.block_size != cfg.block_size:

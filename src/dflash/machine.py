@@ -1,0 +1,115 @@
+"""Facts about the machine: where dflash keeps its files, the CPU's cores and instruction sets, the device.
+
+The ground floor of the package: it imports nothing of dflash's, so the kernels, the compiled paths and the
+loaders can all ask it.
+
+`DFLASH_MAX_CPU_ISA=avx2` makes dflash treat the CPU as one without AVX-512, AMX, AVX-VNNI or AVX-NE-CONVERT
+(the extensions its kernel choices depend on), as oneDNN's `ONEDNN_MAX_CPU_ISA` does for oneDNN: an AVX-512
+machine then takes, and tests, the code paths an AVX2-only CPU takes. PyTorch's own kernels are not affected.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .errors import DFlashConfigError
+
+MAX_CPU_ISA = ("native", "avx2")
+# the flags an "avx2" machine lacks: every extension past AVX2 that a dflash kernel choice asks about
+_BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_vnni_int8")
+
+
+def dflash_home() -> Path:
+    return Path(os.environ.get("DFLASH_HOME") or Path.home() / ".cache" / "dflash")
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first value of a /proc/cpuinfo field ("model name", "flags"), None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.partition(":")[2].strip() for line in f if line.startswith(field)), None)
+    except OSError:
+        return None
+
+
+def max_cpu_isa() -> str:
+    isa = os.environ.get("DFLASH_MAX_CPU_ISA", "native").lower()
+    if isa not in MAX_CPU_ISA:
+        raise DFlashConfigError(f"DFLASH_MAX_CPU_ISA={isa!r}: expected one of {', '.join(MAX_CPU_ISA)}")
+    return isa
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as /proc/cpuinfo names them, less those DFLASH_MAX_CPU_ISA masks; None where
+    the system does not say (then kernels ask their libraries)."""
+    return _cpu_flags(max_cpu_isa())
+
+
+@functools.cache
+def _cpu_flags(isa: str) -> frozenset[str] | None:
+    flags = cpuinfo("flags")
+    if flags is None:
+        return None
+    found = frozenset(flags.split())
+    if isa == "avx2":
+        found = frozenset(f for f in found if not f.startswith(_BEYOND_AVX2))
+    return found
+
+
+def cpu_has(*flags: str) -> bool | None:
+    """Whether the CPU has all of `flags` (None where unknown)."""
+    found = cpu_flags()
+    return None if found is None else set(flags) <= found
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyper-threads) of this machine, from /proc/cpuinfo where it exists."""
+    try:
+        cores = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    phys = value.strip()
+                elif key == "core id":
+                    core = value.strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return min(len(cores), os.cpu_count() or len(cores))
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def set_default_threads(threads: int | None = None) -> int:
+    """torch intra-op threads: `threads`, else OMP_NUM_THREADS if the user set it, else the physical cores."""
+    if threads is None:
+        threads = int(os.environ["OMP_NUM_THREADS"]) if os.environ.get("OMP_NUM_THREADS") else physical_cores()
+    torch.set_num_threads(max(1, threads))
+    return torch.get_num_threads()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def hardware(device: torch.device | str | None = None) -> str:
+    """What the numbers were measured on, e.g. "AMD EPYC (AVX2)" or "NVIDIA H200": the CPU's vector ISA
+    decides which kernels are fast (without AVX-512, bf16 products of several rows cost several times one row),
+    so a benchmark result means little without it."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = cpuinfo("model name") or platform.processor() or platform.machine()
+    masked = ", dflash limited to AVX2 by DFLASH_MAX_CPU_ISA" if max_cpu_isa() == "avx2" else ""
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}{masked})"
