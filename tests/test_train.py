@@ -12,10 +12,10 @@ import torch
 
 from dflash import DFlashDraftModel, spec_generate
 from dflash.errors import DFlashError
-from dflash.model import DraftKVCache
+from dflash.model import DraftKVCache, layer_masks
 from dflash.regenerate import RegenerateConfig, read_dataset, regenerate
 from dflash.train import (DFlashTrainStep, TrainConfig, block_inputs, compute_features, loss_weights,
-                          sample_anchors, target_features, train, training_visibility, valid_anchors)
+                          sample_anchors, target_features, train, valid_anchors)
 from structured import make_tokenizer, trained_target, write_prompts
 from tiny import tiny_target
 
@@ -67,10 +67,30 @@ def test_anchors_only_where_answer_continues():
     assert len(a) == 10 and a.tolist() == sorted(set(a.tolist())) and a.max() < 49
 
 
-def test_attention_mask_which_keys_each_block_query_sees():
+def dense_visibility(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
+    """[n*B, T + n*B] bool: block i's queries see context positions < anchor_i and every slot of block i."""
+    n = len(anchors)
+    q_anchor = anchors.repeat_interleave(block_size)  # [n*B]
+    ctx = torch.arange(T)[None, :] < q_anchor[:, None]
+    blk_of_q = torch.arange(n).repeat_interleave(block_size)
+    return torch.cat([ctx, blk_of_q[:, None] == blk_of_q[None, :]], 1)
+
+
+def dense_block_hidden(draft, feats, ids, anchors):
+    """The packed forward with one dense mask over [context; all blocks]: the reference for the block-sparse one."""
+    B = draft.config.block_size
+    block_ids, block_pos, _ = block_inputs(ids, torch.ones_like(ids), anchors, B, draft.config.mask_token_id)
+    ctx_pos = torch.arange(len(ids))[None]
+    masks = layer_masks(draft.config, dense_visibility(anchors, len(ids), B)[None], block_pos[None],
+                        torch.cat([ctx_pos, block_pos[None]], 1))
+    x = draft.embed_tokens(block_ids[None])
+    return draft.run_layers(x, block_pos[None], draft.context_kv(feats[None], ctx_pos), masks).view(len(anchors), B, -1)
+
+
+def test_dense_reference_mask_which_keys_each_block_query_sees():
     T, B = 10, 3
     anchors = torch.tensor([2, 6])
-    vis = training_visibility(anchors, T, B)
+    vis = dense_visibility(anchors, T, B)
     assert vis.shape == (2 * B, T + 2 * B)
     for q in range(2 * B):
         blk = q // B
@@ -79,6 +99,32 @@ def test_attention_mask_which_keys_each_block_query_sees():
             assert vis[q, k].item() == (k < a)
         for kb in range(2 * B):  # its own block, both ways; never the other block
             assert vis[q, T + kb].item() == (kb // B == blk)
+
+
+@pytest.mark.parametrize("arch,sliding", [("qwen3", False), ("llama", True)])
+def test_block_sparse_training_attention_equals_the_dense_mask(arch, sliding):
+    # every answer position an anchor, blocks overlapping each other and running past the end; with sliding-window
+    # layers (window shorter than the context) too. Values and gradients agree
+    target = tiny_target(arch, seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4, target_layer_ids=[0, 2])
+    if sliding:
+        draft.config.layer_types = ["sliding_attention", "full_attention"]
+        draft.config.sliding_window = 6
+        draft.layers[0].self_attn.sliding_window = 6
+    ids = torch.randint(3, 96, (23,), generator=torch.Generator().manual_seed(4))
+    feats = target_features(target, [0, 2], ids)
+    anchors = torch.arange(1, 22)
+    step = DFlashTrainStep(draft, 3.0)
+    grads = []
+    for f in (lambda: step.block_hidden(feats, ids, anchors), lambda: dense_block_hidden(draft, feats, ids, anchors)):
+        draft.zero_grad()
+        h = f()
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        grads.append((h.detach(), [p.grad.clone() for p in draft.parameters()]))
+    (sparse, g_sparse), (dense, g_dense) = grads
+    assert torch.allclose(sparse, dense, atol=1e-5)
+    for a, b in zip(g_sparse, g_dense):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_packed_training_forward_equals_inference_forward():
@@ -209,20 +255,43 @@ def test_a_draft_vocabulary_is_trained_saved_and_resumed(lang, tmp_path):
     train(cfg, target=target, tokenizer=tok, progress=False)  # picks up the checkpoint at step 6
 
 
-def test_resume_is_exact(lang, tmp_path):
+def test_resume_is_exact_and_keeps_fp32_master_weights(lang, tmp_path):
+    # exported drafts in bf16: the checkpoints still hold the fp32 weights, so a resumed run continues the very
+    # same training (rounded weights would not)
     target, tok, root = lang
-    straight = cfg_for(root, tmp_path / "straight", epochs=2, max_steps=40, save_interval=20)
-    train(straight, target=target, tokenizer=tok, progress=False)
+    kw = dict(epochs=2, save_interval=20, save_dtype="bfloat16")
+    train(cfg_for(root, tmp_path / "straight", max_steps=40, **kw), target=target, tokenizer=tok, progress=False)
     # 20 steps, "killed", then resumed for 20 more
-    train(cfg_for(root, tmp_path / "split", epochs=2, max_steps=20, save_interval=20), target=target,
-          tokenizer=tok, progress=False)
-    assert (tmp_path / "split" / "checkpoint-0000020" / "trainer_state.pt").is_file()
-    train(cfg_for(root, tmp_path / "split", epochs=2, max_steps=40, save_interval=20, resume=True),
-          target=target, tokenizer=tok, progress=False)
+    train(cfg_for(root, tmp_path / "split", max_steps=20, **kw), target=target, tokenizer=tok, progress=False)
+    ckpt = tmp_path / "split" / "checkpoint-0000020"
+    assert (ckpt / "trainer_state.pt").is_file()
+    assert all(v.dtype == torch.float32 for v in DFlashDraftModel.from_pretrained(ckpt).state_dict().values()
+               if v.is_floating_point())
+    train(cfg_for(root, tmp_path / "split", max_steps=40, resume=True, **kw), target=target, tokenizer=tok,
+          progress=False)
     a = DFlashDraftModel.from_pretrained(tmp_path / "straight" / "final")
     b = DFlashDraftModel.from_pretrained(tmp_path / "split" / "final")
+    assert a.fc.weight.dtype == torch.bfloat16
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
+    masters = [DFlashDraftModel.from_pretrained(tmp_path / run / "checkpoint-0000040") for run in ("straight", "split")]
+    for k, v in masters[0].state_dict().items():
+        assert torch.equal(v, masters[1].state_dict()[k]), k
+
+
+def test_changing_the_schedule_on_resume_is_an_error(lang, tmp_path):
+    target, tok, root = lang
+    train(cfg_for(root, tmp_path / "run", epochs=2, max_steps=4, save_interval=4), target=target, tokenizer=tok,
+          progress=False)
+    for change in (dict(epochs=3), dict(lr=1e-3), dict(warmup=0.2)):
+        with pytest.raises(DFlashError, match="keeps its schedule.*--init-draft"):
+            train(cfg_for(root, tmp_path / "run", max_steps=8, resume=True, **{"epochs": 2, **change}),
+                  target=target, tokenizer=tok, progress=False)
+    # a cut (--max-steps) is not part of the schedule; the schedule is recorded in the checkpoint
+    train(cfg_for(root, tmp_path / "run", epochs=2, max_steps=6, resume=True), target=target, tokenizer=tok,
+          progress=False)
+    state = torch.load(tmp_path / "run" / "checkpoint-0000006" / "trainer_state.pt", weights_only=False)
+    assert state["schedule"]["kind"] == "cosine" and state["schedule"]["peak_lr"] == 3e-3
 
 
 def test_cached_features_give_the_same_training(lang, tmp_path):

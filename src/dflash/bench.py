@@ -53,14 +53,21 @@ def load_bench_prompts(cfg: BenchConfig) -> dict[str, list]:
 
     if cfg.prompts:
         return {Path(cfg.prompts).stem: read_prompts([cfg.prompts])[:cfg.num_prompts]}
+    return bench_prompt_sets(cfg.datasets, cfg.num_prompts, cfg.data_dir)
+
+
+def bench_prompt_sets(datasets: list[str], num_prompts: int, data_dir=None) -> dict[str, list]:
+    """The first num_prompts prompts of each named test set (a local copy, else the hub)."""
+    from .prompts import read_prompts
+
     sets = {}
-    for name in cfg.datasets:
+    for name in datasets:
         if name not in BENCH_SETS:
             raise DFlashError(f"unknown bench dataset {name!r} (known: {', '.join(BENCH_SETS)})")
         try:
-            sets[name] = read_prompts([BENCH_SETS[name]], cfg.data_dir)[:cfg.num_prompts]
+            sets[name] = read_prompts([BENCH_SETS[name]], data_dir)[:num_prompts]
         except DFlashError:
-            sets[name] = _hub_prompts(name, cfg.num_prompts)
+            sets[name] = _hub_prompts(name, num_prompts)
     return sets
 
 

@@ -138,6 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--early-exit-layer", type=_int_at_least(1), default=None,
                     help="hf-early-exit drafts with the target's first N layers; None = a quarter of them")
     _runtime_option(be)
+    ev = sub.add_parser("evaluate", formatter_class=fmt, help="a draft's acceptance on held-out test sets",
+                        description="Greedy speculative decoding at a fixed width on fixed test sets: τ and the "
+                        "acceptance rate of each block slot given the slots before it; a table, results.json and "
+                        "slot_acceptance.png, and one JSON line.")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="target (alias, folder, .gguf or hub id)")
+    ev.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
+    ev.add_argument("--datasets", default="gsm8k,mbpp,humaneval,mt-bench", help="comma-separated test sets")
+    ev.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
+    ev.add_argument("--num-prompts", type=_int_at_least(1), default=40, help="prompts per dataset")
+    ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens per answer")
+    ev.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    ev.add_argument("--batch-size", type=_int_at_least(1), default=8, help="prompts decoded together")
+    ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
+    ev.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
+    ev.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
+    ev.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
+    ev.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    _runtime_option(ev)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
                         "every decode step is one batched DFlash step over all running requests.")
@@ -199,7 +217,9 @@ _TRAIN_HELP = {
     "batch_size": "sequences per step per process", "grad_accum": "gradient accumulation",
     "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype", "save_dtype": "dtype of saved drafts",
     "seed": "seed (data order, anchors, init)", "save_interval": "checkpoint every N steps",
-    "eval_interval": "measure τ every N steps", "eval_samples": "held-out sequences for τ",
+    "eval_interval": "measure τ every N steps", "eval_samples": "held-out training sequences (τ without --eval-datasets)",
+    "eval_datasets": "held-out test sets for τ and per-slot acceptance (gsm8k mbpp humaneval mt-bench math500)",
+    "eval_prompts": "prompts per eval dataset", "autocast": "bfloat16: the draft's products in bf16 (fp32 masters)",
     "eval_max_new_tokens": "tokens generated per held-out prompt", "log_interval": "log every N steps",
     "resume": "continue from the latest checkpoint in --output", "device": "cpu | cuda",
     "threads": "torch threads (default: physical cores)",
@@ -435,6 +455,21 @@ def cmd_bench(args) -> int:
     return 1 if report["real_mismatches"] else 0
 
 
+def cmd_evaluate(args) -> int:
+    from .evaluate import EvalConfig, run_evaluate
+
+    target, tokenizer = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    draft_path = args.draft or shipped_draft(args.model)
+    if draft_path is None:
+        raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
+    draft = load_draft(draft_path, target)
+    cfg = EvalConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], num_prompts=args.num_prompts,
+                     max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
+                     data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts)
+    run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path)})
+    return 0
+
+
 def _engine(args):
     from .engine import EngineConfig, LLMEngine
 
@@ -481,7 +516,7 @@ def main(argv=None) -> int:
         log.setLevel(logging.INFO)
     try:
         return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
-                "features": cmd_features, "bench": cmd_bench, "serve": cmd_serve,
+                "features": cmd_features, "bench": cmd_bench, "evaluate": cmd_evaluate, "serve": cmd_serve,
                 "bench-serve": cmd_bench_serve}[args.command](args)
     except DFlashError as e:
         print(f"dflash: error: {e}", file=sys.stderr)

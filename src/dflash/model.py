@@ -120,6 +120,35 @@ class DFlashAttention(nn.Module):
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, Q, -1))
 
+    def forward_blocks(self, x, rope_x, ctx_k, ctx_v, ctx_bias, blk_bias):
+        """Training: n packed blocks of one sequence (see block_sparse_attention). x: [n, B, H];
+        ctx_k/ctx_v: [kv_heads, T, head_dim]; rope_x: cos/sin [n, B, head_dim]."""
+        n, B, _ = x.shape
+        cos, sin = rope_x
+        q = apply_rope(self.q_norm(self.q_proj(x).view(n, B, self.num_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)  # [n, kv_heads, B, head_dim]
+        out = block_sparse_attention(q.transpose(0, 1), ctx_k, ctx_v, k_blk.transpose(0, 1), v_blk.transpose(0, 1),
+                                     ctx_bias, blk_bias, self.scaling)  # [h, n, B, d]
+        return self.o_proj(out.permute(1, 2, 0, 3).reshape(n, B, -1))
+
+
+def block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_bias, blk_bias, scale: float) -> torch.Tensor:
+    """Training attention of n packed blocks: each block's queries see a prefix of the context and their own
+    block, never another block. One softmax over [context; own block] is exactly the dense masked attention
+    over [context; all blocks] (the other blocks' keys would get weight 0), without the n*B x n*B block part,
+    which grows with the square of the anchors.
+    q: [h, n, B, d]; k_ctx, v_ctx: [kv_heads, T, d]; k_blk, v_blk: [kv_heads, n, B, d];
+    ctx_bias: [n, B, T] additive (0 or -inf); blk_bias: [B, B] additive. Returns [h, n, B, d]."""
+    h, n, B, d = q.shape
+    kv, T = k_ctx.shape[0], k_ctx.shape[1]
+    qg = q.reshape(kv, h // kv * n * B, d)  # query heads grouped by the key/value head they share
+    s_ctx = torch.bmm(qg, k_ctx.transpose(1, 2)).view(kv, h // kv, n, B, T) * scale + ctx_bias
+    s_blk = torch.matmul(q.reshape(kv, h // kv, n, B, d), k_blk[:, None].transpose(-1, -2)) * scale + blk_bias
+    p = torch.cat([s_ctx, s_blk], -1).softmax(-1)
+    p_ctx, p_blk = p.split([T, B], -1)
+    out = torch.bmm(p_ctx.reshape(kv, -1, T), v_ctx).view(kv, h // kv, n, B, d) + torch.matmul(p_blk, v_blk[:, None])
+    return out.view(h, n, B, d)
+
 
 def block_attention_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                          window: int | None) -> torch.Tensor:
@@ -374,6 +403,29 @@ class DFlashDraftModel(nn.Module):
         rope_x = self.rotary_emb(x, x_pos)
         for layer, (k, v), mask in zip(self.layers, ctx_kv, masks):
             x = x + layer.self_attn(layer.input_layernorm(x), rope_x, k, v, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def run_blocks(self, x, x_pos, ctx_kv, anchors, ctx_pos) -> torch.Tensor:
+        """Training: the decoder stack over n packed blocks x [n, B, H] at positions x_pos [n, B], block i seeing
+        the context before anchors[i] and its own block (block_sparse_attention); ctx_kv[i]: layer i's context
+        keys/values [kv_heads, T, head_dim] at positions ctx_pos [T]. Sliding-window layers also see only keys
+        less than a window behind, as at inference."""
+        rope_x = self.rotary_emb(x, x_pos)
+        biases = {}
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            window = layer.self_attn.sliding_window
+            if window not in biases:
+                ctx_ok = ctx_pos[None, None, :] < anchors[:, None, None]  # [n, 1, T]
+                blk_ok = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
+                if window is not None:
+                    dist = x_pos[:, :, None] - ctx_pos[None, None, :]  # [n, B, T]
+                    ctx_ok = ctx_ok & (dist >= 0) & (dist < window)
+                    dist = x_pos[0, :, None] - x_pos[0, None, :]
+                    blk_ok = (dist >= 0) & (dist < window)
+                biases[window] = tuple(torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf"))
+                                       for m in (ctx_ok, blk_ok))
+            x = x + layer.self_attn.forward_blocks(layer.input_layernorm(x), rope_x, k, v, *biases[window])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 

@@ -3,7 +3,9 @@
 Per sequence: the target's features at every position are the context; up to `num_anchors` random answer
 positions become anchors; anchor a gets the block [x_a, MASK, ...] at positions a..a+B-1, whose queries see
 context strictly before a and their own block both ways, never another block. Slot k predicts x_{a+k}, with
-weight exp(-(k-1)/gamma). All blocks of a sequence run in one packed forward.
+weight exp(-(k-1)/gamma). All blocks of a sequence run in one packed forward, whose attention is block-sparse
+(`dflash.model.block_sparse_attention`): its cost grows with anchors x sequence length, not anchors squared, so
+every answer position can be an anchor.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .config import DRAFT_METHODS
 from .eagle import Eagle3DraftModel, Eagle3TrainStep
 from .errors import DFlashError
 from .io import atomic_write_text, normal_permissions, save_png
-from .model import DFlashDraftModel, head_loss, layer_masks
+from .model import DFlashDraftModel, head_loss
 
 
 @dataclass
@@ -56,11 +58,14 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: float = 1.0
     dtype: str = "bfloat16"  # the target's dtype (the draft trains in fp32)
-    save_dtype: str = "float32"
+    save_dtype: str = "float32"  # of the exported draft (final/); checkpoints always keep fp32 weights
+    autocast: str | None = None  # "bfloat16": the draft's products in bf16 (fp32 master weights and optimizer)
     seed: int = 0
     save_interval: int = 500
     eval_interval: int = 500
-    eval_samples: int = 8
+    eval_samples: int = 8  # held-out training sequences (kept out of training), for τ when eval_datasets is unset
+    eval_datasets: list[str] | None = None  # held-out test sets (dflash.evaluate), e.g. gsm8k mbpp humaneval mt-bench
+    eval_prompts: int = 10  # prompts per eval dataset
     eval_max_new_tokens: int = 64
     log_interval: int = 10
     resume: bool = False
@@ -132,16 +137,6 @@ def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     return block_ids.flatten(), pos.flatten(), labels
 
 
-def training_visibility(anchors: torch.Tensor, T: int, block_size: int) -> torch.Tensor:
-    """[n*B, T + n*B] bool: block i's queries see context positions < anchor_i and every slot of block i."""
-    n = len(anchors)
-    q_anchor = anchors.repeat_interleave(block_size)  # [n*B]
-    ctx = torch.arange(T)[None, :] < q_anchor[:, None]
-    blk_of_q = torch.arange(n).repeat_interleave(block_size)
-    blocks = blk_of_q[:, None] == blk_of_q[None, :]
-    return torch.cat([ctx, blocks], 1)
-
-
 class DFlashTrainStep(nn.Module):
     """Loss of one sequence; a module so DistributedDataParallel can wrap it."""
 
@@ -160,16 +155,14 @@ class DFlashTrainStep(nn.Module):
 
     def _hidden(self, features, block_ids, block_pos, anchors):
         d = self.draft
-        cfg = d.config
-        B, T = cfg.block_size, features.shape[0]
+        B, T = d.config.block_size, features.shape[0]
         dev = features.device
-        block_ids, block_pos = block_ids.to(dev), block_pos.to(dev)
-        ctx_pos = torch.arange(T, device=dev)[None]
-        ctx_kv = d.context_kv(features[None], ctx_pos)  # the whole sequence is context; the mask picks per block
-        visible = training_visibility(anchors.cpu(), T, B).to(dev)[None]
-        masks = layer_masks(cfg, visible, block_pos[None], torch.cat([ctx_pos, block_pos[None]], 1))
-        x = d.embed_tokens(block_ids[None]).to(d.fc.weight.dtype)
-        return d.run_layers(x, block_pos[None], ctx_kv, masks).view(len(anchors), B, -1)
+        block_ids, block_pos = block_ids.to(dev).view(-1, B), block_pos.to(dev).view(-1, B)
+        ctx_pos = torch.arange(T, device=dev)
+        # the whole sequence is context; each block sees the part before its anchor
+        ctx_kv = [(k[0], v[0]) for k, v in d.context_kv(features[None], ctx_pos[None])]
+        x = d.embed_tokens(block_ids).to(d.fc.weight.dtype)
+        return d.run_blocks(x, block_pos, ctx_kv, anchors.to(dev), ctx_pos)
 
     def forward(self, features, input_ids, loss_mask, anchors):
         """Weighted loss of one sequence, and (correct, counted) predictions per block slot."""
@@ -293,15 +286,16 @@ def _dist():
     return 0, 1
 
 
-def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: dict, save_dtype: str,
-                     keep: int = 2) -> Path:
-    """Draft (published format) + optimizer, scheduler, RNG and data position, in one atomic folder."""
+def _save_checkpoint(out: Path, step: int, draft, optimizer, scheduler, state: dict, keep: int = 2) -> Path:
+    """Draft (published format, the fp32 master weights) + optimizer, scheduler, RNG and data position, in one
+    atomic folder. A lower save dtype applies to exported drafts only: resuming from rounded weights would
+    not continue the run."""
     import tempfile
 
     final = out / f"checkpoint-{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt-", dir=out))
     try:
-        save_draft(draft, tmp, save_dtype)
+        save_draft(draft, tmp, "float32")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": torch.get_rng_state(), **state}, tmp / "trainer_state.pt")
         normal_permissions(tmp)
@@ -335,33 +329,40 @@ def latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
-def lr_lambda(total: int, warmup_steps: int):
-    def f(step):
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = (step - warmup_steps) / max(1, total - warmup_steps)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return f
+def lr_schedule(cfg: TrainConfig, total_steps: int) -> dict:
+    """The learning-rate schedule of a run: linear warm-up, then cosine decay to 0 at total_steps. Saved with
+    every checkpoint; a resumed run must ask for the same one."""
+    return {"kind": "cosine", "peak_lr": cfg.lr, "warmup_steps": int(cfg.warmup * total_steps),
+            "total_steps": total_steps}
 
 
-def evaluate_tau(target, draft, records, max_new_tokens) -> float:
-    """τ of real greedy speculative decoding on the prompts of `records`."""
-    from .generate import spec_generate
+def lr_factor(schedule: dict, step: int) -> float:
+    warmup, total = schedule["warmup_steps"], schedule["total_steps"]
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    acc = []
-    draft.eval()
-    for r in records:
-        ids = torch.tensor([r["input_ids"][:r.get("num_prompt_tokens", len(r["input_ids"]))]])
-        out = spec_generate(target, draft, ids, max_new_tokens=max_new_tokens, return_stats=True)
-        acc += out.acceptance_lengths
-    draft.train()
-    return sum(acc) / max(1, len(acc))
+
+def _check_schedule(resume_from: Path, saved: dict | None, asked: dict) -> None:
+    if saved != asked:
+        was = "no recorded schedule (an older dflash wrote it)" if saved is None else f"the schedule {saved}"
+        raise DFlashError(f"{resume_from} was trained with {was}; this run asks for {asked}. A resumed run keeps "
+                          "its schedule (same --lr, --warmup, --epochs, data and batch); to train on with another, "
+                          f"start a new stage: --init-draft {resume_from} --output <new folder>")
+
+
+def held_out_prompts(records: list[dict]) -> list[list[int]]:
+    return [r["input_ids"][:r.get("num_prompt_tokens", len(r["input_ids"]))] for r in records]
 
 
 def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
+    from .evaluate import EvalConfig, encoded_eval_sets, evaluate_draft
+    from .generate import default_stop_token_ids
     from .loading import load_draft, load_target
+    from .prompts import pad_id_for
     from .regenerate import read_dataset
 
     rank, world = _dist()
@@ -431,10 +432,12 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     global_batch = cfg.batch_size * cfg.grad_accum * world
     steps_per_epoch = max(1, len(train_idx) // global_batch)
     total_steps = steps_per_epoch * cfg.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, int(cfg.warmup * total_steps)))
+    schedule = lr_schedule(cfg, total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(schedule, i))
     step = 0
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        _check_schedule(resume_from, state.get("schedule"), schedule)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
@@ -447,7 +450,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         atomic_write_text(out / "train_config.json", json.dumps(
             {**asdict(cfg), "mask_token_id": draft.config.mask_token_id, "target_layer_ids": layer_ids,
              "gamma": cfg.resolved_gamma(), "train_records": len(train_idx), "eval_records": len(eval_idx),
-             "total_steps": total_steps, "world_size": world}, indent=2) + "\n")
+             "total_steps": total_steps, "schedule": schedule, "world_size": world}, indent=2) + "\n")
         print(f"dflash train: {len(train_idx)} sequences, {steps_per_epoch} steps/epoch x {cfg.epochs} epochs, "
               f"global batch {global_batch}, draft {sum(p.numel() for p in params) / 1e6:.1f}M params, "
               f"layers {layer_ids}, mask token {draft.config.mask_token_id}", file=sys.stderr)
@@ -459,6 +462,20 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             writer = SummaryWriter(str(out / "tb"))
         except Exception:  # TensorBoard is optional
             writer = None
+    eval_cfg = EvalConfig(datasets=cfg.eval_datasets or [], num_prompts=cfg.eval_prompts,
+                          max_new_tokens=cfg.eval_max_new_tokens, block_size=cfg.block_size)
+    eval_sets, pad_id = {}, 0
+    if is_main and cfg.eval_datasets:
+        if tokenizer is None:
+            raise DFlashError("evaluating on --eval-datasets needs the target's tokenizer")
+        eval_sets = encoded_eval_sets(tokenizer, eval_cfg)
+        pad_id = pad_id_for(tokenizer, default_stop_token_ids(target))
+    elif is_main and eval_idx:
+        eval_sets = {"held-out": held_out_prompts([records[i] for i in eval_idx])}
+    if cfg.autocast not in (None, "bfloat16"):
+        raise DFlashError(f"--autocast {cfg.autocast!r}: expected bfloat16 (or leave it unset for fp32)")
+    # the draft's products in bf16 where asked; its weights, gradients and optimizer state stay fp32
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
     log_path = out / "log.jsonl"
     bar = tqdm(total=last, initial=step, unit="step", desc="train", disable=not (progress and is_main),
                dynamic_ncols=True)
@@ -483,7 +500,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             feats = feats.to(device)
             sync = world == 1 or micro == len(batch) - 1
             ctx = model.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
-            with ctx:
+            with ctx, autocast:
                 if len(anchors) == 0:  # nothing to learn here; keep DDP's collectives in step
                     loss = sum(p.sum() * 0 for p in params)
                     per_slot = (torch.zeros(n_slots), torch.zeros(n_slots))
@@ -510,13 +527,16 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             window_loss, window_n = 0.0, 0
             slot_correct.zero_()
             slot_total.zero_()
-        if is_main and (step % cfg.eval_interval == 0 or step == last) and cfg.eval_samples:
-            tau = evaluate_tau(target, draft, [records[i] for i in eval_idx], cfg.eval_max_new_tokens)
-            _log(log_path, writer, {"step": step, "eval_tau": tau})
+        if is_main and (step % cfg.eval_interval == 0 or step == last) and eval_sets:
+            ev = evaluate_draft(target, draft, eval_sets, eval_cfg, pad_id=pad_id, progress=False)
+            tau = ev["mean_tau"]
+            _log(log_path, writer, {"step": step, "eval_tau": tau, "eval": {
+                name: {"tau": round(r["tau"], 4), "slot_acceptance": [round(a, 4) for a in r["slot_acceptance"]]}
+                for name, r in ev["datasets"].items()}})
             bar.set_postfix(tau=f"{tau:.2f}")
         if is_main and (step % cfg.save_interval == 0 or step == last):
-            _save_checkpoint(out, step, draft, optimizer, scheduler, {"step": step, "fingerprint": fingerprint},
-                             cfg.save_dtype)
+            _save_checkpoint(out, step, draft, optimizer, scheduler,
+                             {"step": step, "fingerprint": fingerprint, "schedule": schedule})
         if world > 1:
             import torch.distributed as dist
 

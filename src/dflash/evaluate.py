@@ -1,0 +1,143 @@
+"""`dflash evaluate`: how well a draft is accepted, on fixed held-out sets, at a fixed width.
+
+τ alone mixes how far a draft's guesses reach with how often the first one is right. Per block slot k, the
+acceptance rate given that slots 1..k-1 were accepted separates them: τ at block B is
+1 + sum over k of the product of the first k rates. Measured by real greedy speculative decoding (the target
+verifies every block in full, no adaptive width), on the test splits of fixed sets, so runs can be compared
+with each other and with the peers. Training logs the same numbers (`dflash train --eval-datasets`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .io import atomic_write_text, save_png
+
+EVAL_DATASETS = ["gsm8k", "mbpp", "humaneval", "mt-bench"]
+
+
+@dataclass
+class EvalConfig:
+    datasets: list[str] = field(default_factory=lambda: list(EVAL_DATASETS))
+    num_prompts: int = 40
+    max_new_tokens: int = 128
+    block_size: int | None = None  # None: the draft's own
+    batch_size: int = 8  # prompts decoded together (greedy acceptance does not depend on it)
+    data_dir: str | None = None
+    runtime: str = "auto"
+    prompts: str | None = None  # a JSONL prompt file instead of the named datasets
+
+
+def slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
+    """Per drafted slot k = 1..B-1: of the steps that reached slot k (slots before it all accepted), the share
+    that accepted it. acceptance_lengths count committed tokens per step, the target's own one included."""
+    reached = [sum(1 for n in acceptance_lengths if n >= k) for k in range(1, block_size)]
+    accepted = [sum(1 for n in acceptance_lengths if n >= k + 1) for k in range(1, block_size)]
+    return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
+
+
+def encoded_eval_sets(tokenizer, cfg: EvalConfig) -> dict[str, list[list[int]]]:
+    """The prompts of cfg.datasets as token ids (the chat template applied)."""
+    from .bench import bench_prompt_sets
+    from .prompts import encode_prompt, read_prompts
+
+    if cfg.prompts:
+        sets = {Path(cfg.prompts).stem: read_prompts([cfg.prompts])[:cfg.num_prompts]}
+    else:
+        sets = bench_prompt_sets(cfg.datasets, cfg.num_prompts, cfg.data_dir)
+    return {name: [encode_prompt(tokenizer, p.messages) for p in prompts] for name, prompts in sets.items()}
+
+
+@torch.inference_mode()
+def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: EvalConfig, *, pad_id: int = 0,
+                   progress: bool = True) -> dict:
+    """τ, per-slot acceptance and the acceptance histogram per set of prompts (token ids), and τ averaged over
+    the sets."""
+    from tqdm.auto import tqdm
+
+    from .generate import _resolve_block_size, default_stop_token_ids, spec_generate
+    from .prompts import left_pad
+
+    B = _resolve_block_size(draft, cfg.block_size, None)
+    stops = default_stop_token_ids(target)
+    was_training = draft.training
+    draft.eval()
+    results = {}
+    bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), unit="prompt", desc="evaluate",
+               disable=not progress, dynamic_ncols=True)
+    for name, prompts in prompt_sets.items():
+        lengths = []
+        prompts = sorted(prompts, key=len)  # batches pad little
+        for i in range(0, len(prompts), cfg.batch_size):
+            ids, mask = left_pad(prompts[i:i + cfg.batch_size], pad_id)
+            out = spec_generate(target, draft, ids.to(target.device), mask.to(target.device), block_size=B,
+                                max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, return_stats=True,
+                                runtime=cfg.runtime)
+            lengths += out.acceptance_lengths
+            bar.update(ids.shape[0])
+        hist = [0] * B
+        for n in lengths:
+            hist[n - 1] += 1
+        results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "slot_acceptance": slot_acceptance(lengths, B),
+                         "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts)}
+    bar.close()
+    if was_training:
+        draft.train()
+    return {"block_size": B, "datasets": results,
+            "mean_tau": sum(r["tau"] for r in results.values()) / max(1, len(results))}
+
+
+def plot_slot_acceptance(results: dict, png: Path, title: str = "") -> None:
+    """One curve per dataset: acceptance rate of each drafted slot, given the slots before it were accepted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, r in results["datasets"].items():
+        rates = r["slot_acceptance"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} (τ {r['tau']:.2f})")
+    ax.set_xlabel("block slot k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(title or f"per-slot acceptance, block {results['block_size']}")
+    ax.legend(fontsize=8)
+    save_png(fig, png, dpi=100)
+
+
+def format_table(results: dict) -> str:
+    B = results["block_size"]
+    head = "| dataset | τ | " + " | ".join(f"slot {k}" for k in range(1, B)) + " | steps |"
+    rows = [head, "|" + "---|" * (B + 2)]
+    for name, r in results["datasets"].items():
+        rows.append(f"| {name} | {r['tau']:.2f} | " + " | ".join(f"{a:.2f}" for a in r["slot_acceptance"])
+                    + f" | {r['steps']} |")
+    return "\n".join(rows)
+
+
+def run_evaluate(target, tokenizer, draft, cfg: EvalConfig, out: str | None, extra: dict | None = None) -> dict:
+    """The command: evaluates, prints the table, writes results.json and slot_acceptance.png into `out`, ends
+    stdout with one JSON line."""
+    from .machine import hardware
+
+    from .generate import default_stop_token_ids
+    from .prompts import pad_id_for
+
+    results = evaluate_draft(target, draft, encoded_eval_sets(tokenizer, cfg), cfg,
+                             pad_id=pad_id_for(tokenizer, default_stop_token_ids(target)))
+    results.update({"config": asdict(cfg), "hardware": hardware(target.device), **(extra or {})})
+    print(format_table(results))
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(out) / "results.json", json.dumps(results, indent=2) + "\n")
+        plot_slot_acceptance(results, Path(out) / "slot_acceptance.png")
+        print(f"dflash evaluate: wrote {out}/results.json and slot_acceptance.png", file=sys.stderr)
+    print(json.dumps({"mean_tau": round(results["mean_tau"], 4), "block_size": results["block_size"],
+                      **{f"tau_{k}": round(r["tau"], 4) for k, r in results["datasets"].items()}}))
+    return results

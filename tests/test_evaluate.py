@@ -1,0 +1,59 @@
+"""`dflash evaluate`: per-slot acceptance that adds up to τ, on held-out prompts, from the command line too."""
+
+import json
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, spec_generate
+from dflash.evaluate import EvalConfig, evaluate_draft, slot_acceptance
+from dflash.generate import default_stop_token_ids
+from test_cli import common, run, setup  # noqa: F401  (the tiny GGUF target and its draft)
+from tiny import tiny_target
+
+
+def test_slot_acceptance_is_conditional_on_the_slots_before():
+    # lengths count committed tokens (the target's own included): 1 = nothing drafted accepted
+    lengths = [1, 2, 2, 3, 4, 4, 4, 1]
+    rates = slot_acceptance(lengths, 4)
+    assert rates == [6 / 8, 4 / 6, 3 / 4]
+    assert slot_acceptance([1, 1], 3) == [0.0, 0.0] and slot_acceptance([], 3) == [0.0, 0.0]
+
+
+def test_tau_is_one_plus_the_sum_of_products_of_slot_rates():
+    target = tiny_target("qwen3", seed=5)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = {"a": [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 9, 3)],
+               "b": [torch.randint(3, 96, (7,), generator=g).tolist()]}
+    res = evaluate_draft(target, draft, prompts, EvalConfig(max_new_tokens=20, batch_size=2), progress=False)
+    assert res["block_size"] == 4 and set(res["datasets"]) == {"a", "b"}
+    for name, r in res["datasets"].items():
+        prod, total = 1.0, 1.0
+        for rate in r["slot_acceptance"]:
+            prod *= rate
+            total += prod
+        assert r["tau"] == pytest.approx(total)
+        assert sum(r["acceptance_histogram"]) == r["steps"] and r["prompts"] == len(prompts[name])
+    # the same steps as decoding each prompt on its own (greedy, fp32)
+    lengths = []
+    for p in prompts["b"]:
+        lengths += spec_generate(target, draft, torch.tensor([p]), max_new_tokens=20, return_stats=True,
+                                 stop_token_ids=default_stop_token_ids(target)).acceptance_lengths
+    assert res["datasets"]["b"]["tau"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path):
+    home, draft = setup
+    prompts = tmp_path / "held-out.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello the", "the cat", "a b c", "x")))
+    r = run("evaluate", *common(tiny_gguf)[:2], "--dtype", "float32", "--threads", "1", "--draft", draft,
+            "--prompts", prompts, "--num-prompts", "3", "--max-new-tokens", "12", "--batch-size", "2",
+            "--out", tmp_path / "out", env_home=home)
+    assert r.returncode == 0, r.stderr
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line["block_size"] == 4 and line["tau_held-out"] >= 1.0
+    assert "| held-out |" in r.stdout and "slot 3" in r.stdout
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert saved["datasets"]["held-out"]["prompts"] == 3 and saved["hardware"]
+    assert (tmp_path / "out" / "slot_acceptance.png").read_bytes()[:4] == b"\x89PNG"
