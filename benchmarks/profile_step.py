@@ -38,7 +38,7 @@ def main():
     target, tok = load_target(args.model, dtype=args.dtype, threads=args.threads)
     draft = load_draft(args.draft, target)
     if args.draft_vocab_size:
-        from dflash.regenerate import read_dataset
+        from dflash.dataset import read_dataset
         from dflash.train import frequent_tokens
 
         draft.set_draft_vocab(frequent_tokens(read_dataset([args.data]), args.draft_vocab_size))

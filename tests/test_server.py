@@ -217,7 +217,8 @@ def test_sigterm_exits_cleanly(tiny_gguf):
 
 
 def test_regenerate_through_the_server_matches_local_regenerate(served, model, tmp_path):
-    from dflash.regenerate import RegenerateConfig, read_dataset, regenerate
+    from dflash.dataset import read_dataset
+    from dflash.regenerate import RegenerateConfig, regenerate
     from structured import write_prompts
 
     target, tok = model

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import torch
 from dflash import DFlashDraftModel, spec_generate
 from dflash.errors import DFlashError
 from dflash.model import DraftKVCache, layer_masks
-from dflash.regenerate import RegenerateConfig, read_dataset, regenerate
+from dflash.dataset import read_dataset
+from dflash.regenerate import RegenerateConfig, regenerate
 from dflash.train import (DFlashTrainStep, TrainConfig, block_inputs, compute_features, loss_weights,
                           sample_anchors, target_features, train, valid_anchors)
 from structured import make_tokenizer, trained_target, write_prompts
@@ -379,6 +381,68 @@ def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeyp
     with pytest.raises(DFlashError, match="other settings"):
         regenerate(RegenerateConfig(output=str(tmp_path / "split"), **{**cfg, "max_new_tokens": 13}),
                    target=target, tokenizer=tok, progress=False)
+
+
+def test_the_target_writes_prompts_that_a_second_run_answers(lang, tmp_path):
+    # a chat template whose user turn starts after "t1", and a second end-of-turn token (t0) that the
+    # progressions reach, so sampled user turns end
+    import copy
+
+    _, tok, root = lang
+    target = copy.deepcopy(lang[0])
+    target.generation_config.eos_token_id = [37, 0]
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% for m in messages %}t1 {{ m['content'] }} t0 {% endfor %}"
+                         "{% if add_generation_prompt %}t2 {% endif %}")
+    cfg = dict(model="structured", max_new_tokens=30, batch_size=8, temperature=1.0, seed=5)
+    regenerate(RegenerateConfig(sources=["self:16"], output=str(tmp_path / "prompts"), **cfg), target=target,
+               tokenizer=tok, progress=False)
+    written = [json.loads(line) for f in sorted((tmp_path / "prompts").glob("shard-*")) for line in f.read_text().splitlines()
+               if line.strip()]
+    assert written and all(r["kind"] == "self-prompt" and r["finish_reason"] == "stop" for r in written)
+    assert all(r["input_ids"][:1] == [1] and r["messages"][0]["content"].startswith("t") for r in written)
+    assert {r["source"] for r in written} <= {f"self:{k}" for k in range(16)}
+    assert read_dataset([tmp_path / "prompts"]) == []  # prompts to answer, not training data
+    regenerate(RegenerateConfig(sources=[str(tmp_path / "prompts")], output=str(tmp_path / "answers"),
+                                **{**cfg, "temperature": 0.0}), target=target, tokenizer=tok, progress=False)
+    answers = read_dataset([tmp_path / "answers"])
+    assert len(answers) == len(written)
+    by_source = {r["source"]: r["messages"][0]["content"] for r in written}
+    assert all(a["messages"][0]["content"] == by_source[a["source"]] for a in answers)
+    from dflash.dataset import pack
+
+    pack(tmp_path / "answers", tmp_path / "packed")  # the target's own prompts are kept as ids
+    assert [r["input_ids"] for r in read_dataset([tmp_path / "packed"], tok)] == [a["input_ids"] for a in answers]
+    with pytest.raises(DFlashError, match="--temperature > 0"):
+        regenerate(RegenerateConfig(sources=["self:4"], output=str(tmp_path / "greedy"), **{**cfg, "temperature": 0.0}),
+                   target=target, tokenizer=tok, progress=False)
+
+
+def test_packed_answers_read_back_as_the_regenerated_records(lang, tmp_path):
+    from dflash.dataset import pack
+
+    target, tok, root = lang
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    made = pack(data, tmp_path / "packed")
+    assert made["new_shards"] == 3 and made["new_records"] == 48
+    assert pack(data, tmp_path / "packed")["new_shards"] == 0  # packed shards are never rewritten
+    original, packed = read_dataset([data]), read_dataset([tmp_path / "packed"], tok)
+    assert [(r["input_ids"], r["loss_mask"], r["source"]) for r in original] == \
+        [(r["input_ids"], r["loss_mask"], r["source"]) for r in packed]
+    sizes = sum(f.stat().st_size for f in (tmp_path / "packed").glob("packed-*"))
+    assert sizes < sum(f.stat().st_size for f in data.glob("shard-*")) / 3
+    with pytest.raises(DFlashError, match="needs the target's tokenizer"):
+        read_dataset([tmp_path / "packed"])
+    # a prompt that changed since: caught, not trained on
+    prompts = root / "prompts.jsonl"
+    saved = prompts.read_text()
+    try:
+        prompts.write_text(saved.replace('"t', '"t1 t', 1))
+        with pytest.raises(DFlashError, match="1 packed records do not match their prompts"):
+            read_dataset([tmp_path / "packed"], tok)
+    finally:
+        prompts.write_text(saved)
 
 
 def test_bad_prompt_lines_are_reported_and_skipped(lang, tmp_path, capsys):

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Answer prompts with the target (batched, resumable) and write a dataset "
                          "folder of JSONL shards: conversation, token ids and a loss mask over the answer.")
     reg.add_argument("inputs", nargs="+", help="JSONL files or folders ('prompt', 'messages' or 'turns' per line), "
-                     "or named sets: chat, gsm8k:train, mbpp:train, ...")
+                     "named sets (chat, gsm8k:train, mbpp:train, ...), or self:N for N prompts the target writes "
+                     "itself (sampled; answer them with a second run on the output folder)")
     reg.add_argument("-o", "--output", required=True, help="dataset folder (a rerun resumes it)")
     reg.add_argument("--batch-size", type=_int_at_least(1), default=32, help="prompts answered together")
     reg.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=1024, help="longer prompts are skipped")
@@ -106,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--base-url", default=None, help="an OpenAI-compatible server running --model (ours, vLLM, "
                      "SGLang), e.g. http://host:8000/v1; None = run the model here")
     reg.set_defaults(max_new_tokens=512)
+    pk = sub.add_parser("pack", formatter_class=fmt, help="keep regenerated answers as token ids (for a repository)",
+                        description="Store the finished shards of a regenerated folder as immutable safetensors "
+                        "files of answer token ids, each prompt referenced by its set and line (no prompt text). "
+                        "`dflash train --data` reads the packed folder, re-reading the prompts from their sets. "
+                        "Rerun to add shards finished since.")
+    pk.add_argument("dataset", help="a folder written by `dflash regenerate`")
+    pk.add_argument("-o", "--output", required=True, help="the packed folder")
     _train_parsers(sub, fmt)
     be = sub.add_parser("bench", formatter_class=fmt, help="measure DFlash against plain decoding",
                         description="Run AR and DFlash back to back on every prompt; print a table, write "
@@ -287,18 +295,25 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_pack(args) -> int:
+    from .dataset import pack
+
+    print(json.dumps(pack(args.dataset, args.output)))
+    return 0
+
+
 def cmd_features(args) -> int:
     from .config import default_target_layer_ids
-    from .regenerate import read_dataset
+    from .dataset import read_dataset
     from .train import compute_features
 
     cfg = _train_config(args)
     if not cfg.features:
         raise DFlashError("pass --features DIR: the folder to write the features into")
-    target, _ = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
+    target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
     n_layers = target.config.get_text_config().num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(n_layers, cfg.num_target_features or cfg.num_layers)
-    records = read_dataset(cfg.data)
+    records = read_dataset(cfg.data, tokenizer)
     compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=cfg.dtype)
     print(json.dumps({"features": cfg.features, "records": len(records), "target_layer_ids": ids}))
     return 0
@@ -515,7 +530,7 @@ def main(argv=None) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "train": cmd_train,
+        return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "pack": cmd_pack, "train": cmd_train,
                 "features": cmd_features, "bench": cmd_bench, "evaluate": cmd_evaluate, "serve": cmd_serve,
                 "bench-serve": cmd_bench_serve}[args.command](args)
     except DFlashError as e:

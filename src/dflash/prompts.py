@@ -129,7 +129,9 @@ def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | No
                     bad.append(BadLine(f"{path}:{lineno}", "no prompt (needs a non-empty 'prompt', 'messages' "
                                                            "or 'turns')"))
                     continue
-                out.append(Prompt(f"{path}:{lineno}", msgs))
+                # a prompt file made from a named set (or by the target itself) says where each prompt came from
+                source = record.get("source")
+                out.append(Prompt(f"{path}:{lineno}", msgs, {"source": source} if isinstance(source, str) else {}))
     if warn:
         for b in bad:
             print(f"dflash: skipped {b.where}: {b.reason}", file=sys.stderr)
@@ -176,3 +178,16 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
         ids[i, P - len(r):] = torch.tensor(r)
         mask[i, P - len(r):] = 1
     return ids, mask
+
+
+def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user's message begins: sampling the target from here
+    makes it write a prompt of the kind it was tuned to answer (`dflash regenerate self:N`)."""
+    marker = "\u2063dflash-user-turn\u2063"
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+    if not getattr(tokenizer, "chat_template", None):
+        raise DFlashError("the target has no chat template: it cannot write prompts in a user turn")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    if marker not in text:
+        raise DFlashError("the chat template does not place the user's message in its text")
+    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]

@@ -1,5 +1,9 @@
 """`dflash regenerate`: answers to training prompts, written by the target itself, as a resumable dataset.
 
+A source `self:N` asks the target for N prompts of its own: its chat template up to the user's message, sampled
+until the user turn ends. Those records (kind "self-prompt") are a prompt file for a second run, which answers
+them; training skips them.
+
 The prompts are put in a fixed order (by token length, so batches pad little) and cut into fixed chunks of
 `batch_size`; chunk k becomes shard `shard-<start>-<end>.jsonl`, written atomically. A restarted run skips
 the chunks whose shards exist, so nothing is generated twice and nothing is lost. Sampling seeds depend only
@@ -20,9 +24,11 @@ import torch
 
 from .errors import DFlashError
 from .io import atomic_write_text
-from .prompts import BadLine, encode_prompt, left_pad, pad_id_for, read_prompts
+from .prompts import BadLine, Prompt, encode_prompt, left_pad, pad_id_for, read_prompts, user_turn_prefix
 
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
+SELF = re.compile(r"^self:(\d+)$")  # a source of N prompts that the target writes itself
+SELF_PROMPT = "self-prompt"  # the kind of such a record: a prompt to answer, not training data
 
 
 @dataclass
@@ -88,7 +94,13 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     output = Path(cfg.output)
     _check_manifest(output, cfg)
     bad: list[BadLine] = []
-    prompts = read_prompts(cfg.sources, data_dir, bad)
+    self_sources = [src for src in cfg.sources if SELF.match(src)]
+    if self_sources and cfg.base_url:
+        raise DFlashError(f"{self_sources[0]}: prompts the target writes need the model here (a server's chat API "
+                          "cannot continue a user turn)")
+    if self_sources and cfg.temperature <= 0:
+        raise DFlashError(f"{self_sources[0]}: the target writes prompts by sampling; pass --temperature > 0")
+    prompts = read_prompts([src for src in cfg.sources if src not in self_sources], data_dir, bad)
     if cfg.base_url:
         if tokenizer is None:
             tokenizer = load_tokenizer(cfg.model)
@@ -103,6 +115,10 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     for p in prompts:
         ids = encode_prompt(tokenizer, p.messages, cfg.system)
         (encoded if len(ids) <= cfg.max_prompt_tokens else too_long).append((p, ids))
+    if self_sources:
+        prefix = user_turn_prefix(tokenizer, cfg.system)
+        encoded += [(Prompt(f"{src}:{k}", [], {"source": f"self:{k}"}), prefix)
+                    for src in self_sources for k in range(int(SELF.match(src).group(1)))]
     for p, ids in too_long:
         print(f"dflash: skipped {p.id}: prompt has {len(ids)} tokens > --max-prompt-tokens {cfg.max_prompt_tokens}",
               file=sys.stderr)
@@ -134,12 +150,16 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
             k = len(answer)
             finish = "stop" if answer and answer[-1] in stop_ids else "length"
             text = tokenizer.decode(answer, skip_special_tokens=True)
-            lines.append(json.dumps({
-                "id": prompt.id, "messages": prompt.messages + [{"role": "assistant", "content": text}],
-                "input_ids": prompt_ids + answer, "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
-                "num_prompt_tokens": len(prompt_ids), "finish_reason": finish,
-            }, ensure_ascii=False))
             new_tokens += k
+            record = {"id": prompt.id, "source": prompt.meta.get("source", prompt.id),
+                      "messages": prompt.messages + [{"role": "assistant", "content": text}],
+                      "input_ids": prompt_ids + answer, "loss_mask": [0] * len(prompt_ids) + [1] * len(answer),
+                      "num_prompt_tokens": len(prompt_ids), "finish_reason": finish}
+            if not prompt.messages:  # a prompt the target wrote: kept when its user turn ended
+                if finish != "stop" or not text.strip():
+                    continue
+                record.update(kind=SELF_PROMPT, messages=[{"role": "user", "content": text.strip()}])
+            lines.append(json.dumps(record, ensure_ascii=False))
         atomic_write_text(output / f"shard-{s:06d}-{s + len(chunk):06d}.jsonl", "\n".join(lines) + "\n")
         written += len(chunk)
         bar.update(len(chunk))
@@ -186,28 +206,3 @@ def remote_answers(cfg: RegenerateConfig, conversations: list[list[dict]], chunk
             ids = ids + stop_ids[:1]
         answers.append(ids[:cfg.max_new_tokens])
     return answers
-
-
-def read_dataset(paths: list[str | os.PathLike]) -> list[dict]:
-    """Records of one or more regenerated dataset folders (or single shard files), in shard order."""
-    records = []
-    for path in map(Path, paths):
-        files = sorted(path.glob("shard-*.jsonl")) if path.is_dir() else [path]
-        if not files:
-            raise DFlashError(f"no dataset shards (shard-*.jsonl) in {path}")
-        for f in files:
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        r = json.loads(line)
-                        ids, lm = r["input_ids"], r["loss_mask"]
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        print(f"dflash: skipped {f}:{lineno}: not a dataset record ({e})", file=sys.stderr)
-                        continue
-                    if len(ids) != len(lm) or not any(lm):
-                        print(f"dflash: skipped {f}:{lineno}: loss_mask does not fit input_ids", file=sys.stderr)
-                        continue
-                    records.append(r)
-    return records

@@ -363,7 +363,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     from .generate import default_stop_token_ids
     from .loading import load_draft, load_target
     from .prompts import pad_id_for
-    from .regenerate import read_dataset
+    from .dataset import read_dataset
 
     rank, world = _dist()
     is_main = rank == 0
@@ -377,7 +377,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=device, threads=cfg.threads)
     target.requires_grad_(False)
     device = target.device
-    records = read_dataset(cfg.data)
+    records = read_dataset(cfg.data, tokenizer)
     if len(records) <= cfg.eval_samples:
         raise DFlashError(f"only {len(records)} usable records: need more than eval_samples={cfg.eval_samples}")
     fingerprint = dataset_fingerprint(records, cfg.max_length)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The target's own answers for training the default model's drafts (issue 25's data at scale), in four parts:
+#   first/         greedy answers to the first 3104 training prompts of regenerate's fixed order
+#   rest/answers/  greedy answers to the other 6313 (continues ../shared/data/regen-smollm2, copied here)
+#   self-answers/  greedy answers to prompts the target wrote itself (self-prompts/: sampled user turns)
+#   sampled-1/     a second, sampled answer (temperature 0.8) to the first 3104 prompts
+# Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
+#
+#   DFLASH_DATA_DIR=../shared/data bash scripts/build_training_data.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/, regen-smollm2/}"
+export DFLASH_DATA_DIR="$(cd "$DFLASH_DATA_DIR" && pwd)"
+WORK="$(mkdir -p "${WORK:-runs/data}" && cd "${WORK:-runs/data}" && pwd)"
+THREADS="${THREADS:-2}"
+SELF_PROMPTS="${SELF_PROMPTS:-6000}"
+COMMON=(--model smollm2-135m-instruct --no-draft --max-new-tokens 512 --threads "$THREADS")
+
+dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/first" --limit 3104 --batch-size 32 "${COMMON[@]}"
+
+if [ ! -d "$WORK/rest" ]; then
+    cp -r "$DFLASH_DATA_DIR/regen-smollm2" "$WORK/rest.tmp" && chmod -R u+w "$WORK/rest.tmp" && mv "$WORK/rest.tmp" "$WORK/rest"
+fi
+(cd "$WORK/rest" && dflash regenerate rest-prompts.jsonl -o answers --batch-size 32 "${COMMON[@]}")
+
+dflash regenerate "self:$SELF_PROMPTS" -o "$WORK/self-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
+    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
+dflash regenerate "$WORK/self-prompts" -o "$WORK/self-answers" --batch-size 32 "${COMMON[@]}"
+
+dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/sampled-1" --limit 3104 --batch-size 32 --temperature 0.8 \
+    --seed 1 "${COMMON[@]}"
