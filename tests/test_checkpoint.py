@@ -246,3 +246,66 @@ def test_draft_vocabulary_limits_proposals_keeps_output_and_round_trips(tmp_path
     assert "draft_vocab" in load_file(str(tmp_path / "model.safetensors"))
     loaded = DFlashDraftModel.from_pretrained(tmp_path, target=target)
     assert loaded.draft_vocab.tolist() == vocab
+
+
+def test_rope_frequencies_stay_fp32_when_the_draft_is_cast_or_loaded_in_bf16(tmp_path):
+    target = tiny_target("qwen3", seed=1)
+    draft = DFlashDraftModel.from_target(target, block_size=4)
+    freqs = draft.rotary_emb.inv_freq.clone()
+    assert freqs.dtype == torch.float32
+    draft.to(torch.bfloat16)
+    assert draft.fc.weight.dtype == torch.bfloat16
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary_emb.inv_freq, freqs)
+    draft.save_pretrained(tmp_path)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path, target=target.bfloat16())
+    assert loaded.fc.weight.dtype == torch.bfloat16 and torch.equal(loaded.rotary_emb.inv_freq, freqs)
+
+
+def test_sharded_weights_load_and_loading_makes_no_random_init(tmp_path, monkeypatch):
+    target = tiny_target("qwen3", seed=1)
+    path, tensors = small_published_dir(tmp_path / "one", target)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:7], "model-00002-of-00002.safetensors": names[7:]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((path / "config.json").read_text())
+    for name, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(sharded / name))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, keys in shards.items() for k in keys}}))
+
+    def no_init(*a, **k):
+        raise AssertionError("loading a draft initialised random weights")
+    monkeypatch.setattr(torch.nn.init, "normal_", no_init)
+    a = DFlashDraftModel.from_pretrained(path, target=target)
+    b = DFlashDraftModel.from_pretrained(sharded, target=target)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]) and v.device.type == "cpu", k
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(DFlashConfigError, match="shards that are not there.*00002"):
+        DFlashDraftModel.from_pretrained(sharded)
+
+
+def test_dflash_config_keys_newer_drafts_use(tmp_path):
+    target = tiny_target("qwen3", seed=1)
+    path, _ = small_published_dir(tmp_path, target)
+    cfg = json.loads((path / "config.json").read_text())
+    # a window stated inside dflash_config is honoured; keys this version does not know are warned about and
+    # written back when the draft is saved again
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    cfg["dflash_config"].update(sliding_window=4, selector_rank=8)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match=r"\['selector_rank'\] are not understood"):
+        draft = DFlashDraftModel.from_pretrained(path, target=target)
+    assert draft.config.sliding_window == 4 and draft.layers[0].self_attn.sliding_window == 4
+    draft.save_pretrained(tmp_path / "again")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["dflash_config"]["selector_rank"] == 8 and again["sliding_window"] == 4
+    for change, message in ((dict(use_aux_hidden_state=False), "use_aux_hidden_state is false"),
+                            (dict(mask_token_id=None, mask_token="<|MASK|>"), "names its mask token '<\\|MASK\\|>'")):
+        bad = json.loads(json.dumps(cfg))
+        bad["dflash_config"].update(change)
+        if bad["dflash_config"].get("mask_token_id", 0) is None:
+            del bad["dflash_config"]["mask_token_id"]
+        with pytest.raises(DFlashConfigError, match=message):
+            DFlashConfig.from_dict(bad)

@@ -19,10 +19,6 @@ TESTS = Path(__file__).parent
 @pytest.fixture
 def avx2_only(monkeypatch):
     monkeypatch.setenv("DFLASH_MAX_CPU_ISA", "avx2")
-    kernels.int4_kernel.cache_clear()
-    yield
-    monkeypatch.delenv("DFLASH_MAX_CPU_ISA")
-    kernels.int4_kernel.cache_clear()
 
 
 def test_an_avx2_limit_hides_every_later_extension_from_dflash(avx2_only):

@@ -4,7 +4,7 @@ family it covers, exact greedy generation, and the fallback for families it does
 import pytest
 import torch
 
-from dflash import DFlashDraftModel, ar_generate, kernels, spec_generate
+from dflash import DFlashDraftModel, ar_generate, fast, kernels, spec_generate
 from dflash.errors import DFlashConfigError
 from dflash.fast import FastTargetAdapter, Int4Weight, fast_unsupported, make_adapter
 from dflash.target import TargetAdapter
@@ -224,3 +224,28 @@ def test_compiled_runtime_multiplies_by_the_packed_bf16_weights():
     # stay as close to the fp32 model
     err = {k: (logits[k] - logits["fp32"]).abs().max().item() for k in ("eager", "compiled")}
     assert 0 < err["compiled"] < 2 * err["eager"] + 0.05, err
+
+
+def test_quantised_runtimes_refuse_a_model_off_the_cpu():
+    target = tiny_target("llama", seed=1).to("meta")  # stands for a CUDA model: any device but the CPU
+    for runtime in ("fast-int4", "fast-int8-compile"):
+        with pytest.raises(DFlashConfigError, match="is CPU-only.*use runtime 'fast' or 'hf'"):
+            make_adapter(target, None, runtime)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: fused biases too
+def test_the_fast_path_holds_no_second_copy_of_the_weights(arch):
+    target = tiny_target(arch, seed=2)
+    params = sum(p.numel() * p.element_size() for p in target.parameters())
+    ids, mask = ragged_batch([5, 8], seed=1)
+    ref = ar_generate(target, ids, mask, max_new_tokens=6, stop_token_ids=[], runtime="hf")
+    out = ar_generate(target, ids, mask, max_new_tokens=6, stop_token_ids=[], runtime="fast")
+    ff = fast.fast_forward(target)
+    storages = {}
+    for t in [*target.parameters(), *(w for L in ff.layers for w in (L.wqkv, L.wgu))]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(storages.values()) <= params * 1.001  # the fused weights are the model's own, not copies
+    layer = target.model.layers[0]
+    assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == ff.layers[0].wqkv.untyped_storage().data_ptr()
+    assert torch.equal(out, ref)  # and both forwards still compute the same
+    assert torch.equal(ar_generate(target, ids, mask, max_new_tokens=6, stop_token_ids=[], runtime="hf"), ref)

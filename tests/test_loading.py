@@ -129,3 +129,19 @@ def test_hub_id_offline_gives_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DFlashLoadError, match="cannot load model 'someone/not-cached-model' from the hub"):
         load_target("someone/not-cached-model")
+
+
+def test_a_model_for_another_device_loads_onto_it_directly(tiny_gguf, monkeypatch):
+    # off the CPU, transformers places the weights as it reads them (device_map), not via a CPU copy
+    import transformers
+
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("device_map"))
+        return real(*args, **{k: v for k, v in kwargs.items() if k != "device_map"})
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", recording)
+    load_target(tiny_gguf, device="cpu", dtype="float32")
+    model, _ = load_target(tiny_gguf, device="meta", dtype="float32")
+    assert seen[-2:] == [None, "meta"] and next(model.parameters()).device.type == "meta"

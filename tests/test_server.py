@@ -28,12 +28,12 @@ def free_port() -> int:
 
 
 class Served:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, **app_options):
         self.engine = engine
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", **app_options), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30

@@ -347,6 +347,20 @@ def test_two_processes_match_one_with_the_same_global_batch(lang, tmp_path):
     assert cfg["world_size"] == 2
 
 
+def test_training_buffers_live_with_the_draft_and_each_process_takes_its_gpu(monkeypatch):
+    # DistributedDataParallel broadcasts buffers; NCCL fails on a CPU tensor beside a CUDA draft
+    from dflash import train as train_mod
+
+    draft = DFlashDraftModel.from_target(tiny_target("llama", seed=1), block_size=4).to("meta")
+    assert {b.device.type for b in DFlashTrainStep(draft, 3.0).buffers()} == {"meta"}
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert train_mod._dist() == (0, 1) and chosen == [3]
+
+
 def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeypatch):
     target, tok, root = lang
     prompts = str(root / "prompts.jsonl")

@@ -46,6 +46,7 @@ class BenchConfig:
     assistant_model: str | None = None  # for hf-assisted
     early_exit_layer: int | None = None  # for hf-early-exit; None: a quarter of the target's layers
     eagle_draft: str | None = None  # for eagle3
+    chat_template_kwargs: dict | None = None  # the chat template's options, e.g. {"enable_thinking": False}
 
 
 def load_bench_prompts(cfg: BenchConfig) -> dict[str, list]:
@@ -262,7 +263,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
     # warm-up: first calls pay for allocator growth and kernel selection
     first = next(iter(sets.values()))
     if first:
-        ids, mask = left_pad([encode_prompt(tokenizer, first[0].messages)], pad)
+        ids, mask = left_pad([encode_prompt(tokenizer, first[0].messages, None, cfg.chat_template_kwargs)], pad)
         for fn in runners.values():
             fn(ids, mask, 0)
     results = {}
@@ -274,7 +275,8 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
         block = {}
         for n_chunk, k in enumerate(range(0, len(prompts), cfg.batch_size)):
             chunk = prompts[k:k + cfg.batch_size]
-            ids, mask = left_pad([encode_prompt(tokenizer, p.messages) for p in chunk], pad)
+            ids, mask = left_pad([encode_prompt(tokenizer, p.messages, None, cfg.chat_template_kwargs)
+                                  for p in chunk], pad)
             # rotate which method goes first, so none always runs on a warm (or cold) cache
             names = list(runners)
             order = names[n_chunk % len(names):] + names[:n_chunk % len(names)]

@@ -45,7 +45,7 @@ def start_server(args, draft: bool, log_path: Path) -> tuple[subprocess.Popen, s
            "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
            "--prefill-tokens", str(args.prefill_tokens), "--runtime", args.runtime,
            "--max-verify-tokens", str(args.max_verify_tokens)] + (["--fixed-width"] if args.fixed_width else [])
-    for flag in ("block_size", "max_model_len", "dtype", "device", "threads"):
+    for flag in ("block_size", "max_model_len", "dtype", "device", "threads", "chat_template_kwargs"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += (["--draft", str(args.draft)] if args.draft else []) if draft else ["--no-draft"]
@@ -174,7 +174,7 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
     bf16 can flip it without any bug. Anything else is reported as unexplained."""
     from .bench import _first_difference, _tie_check
     from .loading import load_target
-    from .prompts import encode_prompt
+    from .prompts import encode_prompt, parse_template_kwargs
 
     pairs = [(d["concurrency"], i, x, y) for d, a in zip(results["dflash"], results["ar"])
              for i, (x, y) in enumerate(zip(d["texts"], a["texts"])) if x != y]
@@ -183,7 +183,8 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
     target, tok = load_target(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     found = []
     for concurrency, i, spec_text, ar_text in pairs:
-        prompt = encode_prompt(tok, prompts[i % len(prompts)].messages)
+        prompt = encode_prompt(tok, prompts[i % len(prompts)].messages, None,
+                               parse_template_kwargs(args.chat_template_kwargs))
         ar_ids, spec_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (ar_text, spec_text))
         k = _first_difference(ar_ids, spec_ids)
         gap, tie = _tie_check(target, prompt + ar_ids[:k], ar_ids[k] if k < len(ar_ids) else None,

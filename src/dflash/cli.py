@@ -11,6 +11,7 @@ import torch
 
 from .errors import DFlashError
 from .loading import DEFAULT_MODEL, load_draft, load_target, shipped_draft
+from .prompts import parse_template_kwargs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +62,7 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_int_at_least(2), default=None,
                    help="block size B = anchor + B-1 drafted tokens; None = the draft's own")
     p.add_argument("--system", default=None, help="system message for the chat template")
+    _template_option(p)
     _width_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
@@ -69,6 +71,12 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_int_at_least(1), default=None, help="torch threads; None = physical cores")
     _runtime_option(p)
     return p
+
+
+def _template_option(p) -> None:
+    p.add_argument("--chat-template-kwargs", default=None,
+                   help='options of the chat template as JSON, e.g. \'{"enable_thinking": false}\' (Qwen3): match '
+                   "how the draft's training answers were written")
 
 
 def _runtime_option(p) -> None:
@@ -138,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "width), eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
                     "ngram (prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, "
                     "hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
+    _template_option(be)
     be.add_argument("--eagle-draft", default=None,
                     help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
@@ -163,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     ev.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
     ev.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
+    _template_option(ev)
     _runtime_option(ev)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
                         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics; "
@@ -193,6 +203,7 @@ def _serve_options(p) -> None:
     g.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
     g.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--max-batch-size", type=_int_at_least(1), default=16, help="sequences decoding together")
+    _template_option(p)
     p.add_argument("--max-queue", type=_int_at_least(0), default=256, help="waiting requests before 429s")
     p.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
     p.add_argument("--max-model-len", type=_int_at_least(2), default=None, help="None = the model's context")
@@ -335,7 +346,8 @@ class Session:
     def encode(self, messages: list[dict]) -> torch.Tensor:
         from .prompts import encode_prompt
 
-        return torch.tensor([encode_prompt(self.tokenizer, messages, self.args.system)], dtype=torch.long)
+        return torch.tensor([encode_prompt(self.tokenizer, messages, self.args.system,
+                                           parse_template_kwargs(self.args.chat_template_kwargs))], dtype=torch.long)
 
     def answer(self, messages: list[dict], out=sys.stdout):
         """Streams the answer to `out`; returns (text, GenerationOutput)."""
@@ -430,7 +442,8 @@ def cmd_regenerate(args) -> int:
                            draft=None if args.no_draft else args.draft, max_new_tokens=args.max_new_tokens,
                            max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, batch_size=args.batch_size, limit=args.limit, seed=args.seed,
-                           system=args.system, base_url=args.base_url, runtime=args.runtime)
+                           system=args.system, base_url=args.base_url, runtime=args.runtime,
+                           chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     if args.base_url:  # the server runs the model; only its tokenizer is needed here
         regenerate(cfg, data_dir=args.data_dir)
         return 0
@@ -465,7 +478,8 @@ def cmd_bench(args) -> int:
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
                       seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime,
                       methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model,
-                      eagle_draft=eagle_path and str(eagle_path), early_exit_layer=args.early_exit_layer)
+                      eagle_draft=eagle_path and str(eagle_path), early_exit_layer=args.early_exit_layer,
+                      chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     report = run_bench(cfg, target, tokenizer, draft, assistant=assistant, eagle=eagle)
     return 1 if report["real_mismatches"] else 0
 
@@ -480,7 +494,8 @@ def cmd_evaluate(args) -> int:
     draft = load_draft(draft_path, target)
     cfg = EvalConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], num_prompts=args.num_prompts,
                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
-                     data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts)
+                     data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts,
+                     chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path)})
     return 0
 
@@ -506,7 +521,8 @@ def cmd_serve(args) -> int:
     if args.runtime.endswith("-compile"):
         print("dflash serve: compiling the step graphs before listening", file=sys.stderr)
         engine.warm_up()
-    serve(engine, args.served_model_name or str(args.model), host=args.host, port=args.port)
+    serve(engine, args.served_model_name or str(args.model), host=args.host, port=args.port,
+          chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     return 0
 
 
@@ -530,6 +546,7 @@ def main(argv=None) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     try:
+        parse_template_kwargs(getattr(args, "chat_template_kwargs", None))  # a bad one fails before any loading
         return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "pack": cmd_pack, "train": cmd_train,
                 "features": cmd_features, "bench": cmd_bench, "evaluate": cmd_evaluate, "serve": cmd_serve,
                 "bench-serve": cmd_bench_serve}[args.command](args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -12,6 +13,9 @@ from .errors import DFlashConfigError
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 DRAFT_METHODS = ("dflash", "eagle3")
+# dflash_config keys this version reads (the rest are kept but warned about)
+DFLASH_CONFIG_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "mask_token", "use_aux_hidden_state",
+                      "sliding_window", "swa_window_size", "layer_types"}
 
 
 def default_target_layer_ids(num_target_layers: int, num_ids: int) -> list[int]:
@@ -132,6 +136,7 @@ class DFlashConfig:
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
             "dflash_config": {
+                **self.extra.get("dflash_config", {}),
                 "target_layer_ids": list(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id,
                 "block_size": self.block_size,
@@ -155,7 +160,23 @@ class DFlashConfig:
         if "target_layer_ids" not in dc and "target_layer_ids" not in d:
             raise DFlashConfigError("draft config has no dflash_config.target_layer_ids")
         if "mask_token_id" not in dc and "mask_token_id" not in d:
-            raise DFlashConfigError("draft config has no dflash_config.mask_token_id")
+            named = dc.get("mask_token")
+            raise DFlashConfigError("draft config has no dflash_config.mask_token_id" + (
+                f" (it names its mask token {named!r} by text only; add its id from the target's tokenizer)"
+                if named else ""))
+        if dc.get("use_aux_hidden_state", True) is not True:
+            raise DFlashConfigError("dflash_config.use_aux_hidden_state is false: this draft reads the target's last "
+                                    "hidden state instead of tapped layers, which dflash does not run")
+        unknown = sorted(set(dc) - DFLASH_CONFIG_KEYS)
+        if unknown:
+            warnings.warn(f"draft config: dflash_config keys {unknown} are not understood by this version of "
+                          "dflash and are ignored (kept when the draft is saved again)", stacklevel=3)
+        # newer checkpoints may state the window (and layer kinds) inside dflash_config
+        window = dc.get("sliding_window", dc.get("swa_window_size"))
+        if window is not None:
+            d["sliding_window"] = window
+        if dc.get("layer_types") is not None:
+            d["layer_types"] = dc["layer_types"]
         # newer checkpoints nest block_size in dflash_config; older ones keep it at top level
         block_size = dc.get("block_size", d.get("block_size", 16))
         rope = d.get("rope_parameters") or {}
@@ -177,6 +198,8 @@ class DFlashConfig:
         extra = {k: v for k, v in d.items() if k not in known and k not in
                  ("rope_parameters", "torch_dtype", "architectures", "model_type", "hidden_act",
                   "attention_dropout", "use_sliding_window", "max_window_layers", "tie_word_embeddings")}
+        if unknown:
+            extra["dflash_config"] = {k: dc[k] for k in unknown}
         return cls(**kwargs, extra=extra)
 
     def save(self, directory: str | os.PathLike) -> None:

@@ -171,7 +171,8 @@ def read_packed(folder: Path, tokenizer, data_dir=None) -> list[dict]:
                     bad += 1
                     continue
                 messages = p.messages
-                prompt_ids = encode_prompt(tokenizer, messages, settings.get("system"))
+                prompt_ids = encode_prompt(tokenizer, messages, settings.get("system"),
+                                           settings.get("chat_template_kwargs"))
             if prompt_hash(prompt_ids) != h:
                 bad += 1
                 continue

@@ -31,6 +31,7 @@ class EvalConfig:
     data_dir: str | None = None
     runtime: str = "auto"
     prompts: str | None = None  # a JSONL prompt file instead of the named datasets
+    chat_template_kwargs: dict | None = None  # the chat template's options, e.g. {"enable_thinking": False}
 
 
 def slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
@@ -50,7 +51,8 @@ def encoded_eval_sets(tokenizer, cfg: EvalConfig) -> dict[str, list[list[int]]]:
         sets = {Path(cfg.prompts).stem: read_prompts([cfg.prompts])[:cfg.num_prompts]}
     else:
         sets = bench_prompt_sets(cfg.datasets, cfg.num_prompts, cfg.data_dir)
-    return {name: [encode_prompt(tokenizer, p.messages) for p in prompts] for name, prompts in sets.items()}
+    return {name: [encode_prompt(tokenizer, p.messages, None, cfg.chat_template_kwargs) for p in prompts]
+            for name, prompts in sets.items()}
 
 
 @torch.inference_mode()

@@ -73,22 +73,39 @@ def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
     return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, None]
 
 
+def _fused(modules: tuple[nn.Linear, ...], quantize: str | None):
+    """The weights of `modules` concatenated (one product for all of them), in the form the fast forward
+    multiplies by. Where that form is the plain tensor (fp32, or a GPU), the modules' own weights become views
+    of it: one copy of the weights in memory, not two (an 8B model would otherwise hold 9 GB more)."""
+    with torch.inference_mode(False):  # ordinary tensors, even when built inside an inference-mode region
+        fused = torch.cat([m.weight for m in modules]).detach()
+    prepared = _prepared(fused, quantize)
+    if isinstance(prepared, torch.Tensor):  # multiplied as it is
+        start = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight = nn.Parameter(prepared[start:start + rows], requires_grad=False)
+            start += rows
+    return prepared
+
+
+def _fused_bias(modules: tuple[nn.Linear, ...]):
+    return torch.cat([m.bias for m in modules]).detach() if modules[0].bias is not None else None
+
+
 class _Layer:
     def __init__(self, layer, quantize: str | None):
         a, m = layer.self_attn, layer.mlp
-        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-        self.bqkv = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-                     if a.q_proj.bias is not None else None)
+        qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+        self.wqkv, self.bqkv = _fused(qkv, quantize), _fused_bias(qkv)
         self.wo, self.bo = _prepared(a.o_proj.weight, quantize), a.o_proj.bias
         self.q_norm = getattr(a, "q_norm", None)
         self.k_norm = getattr(a, "k_norm", None)
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
-        self.bgu = torch.cat([m.gate_proj.bias, m.up_proj.bias]).detach() if m.gate_proj.bias is not None else None
+        self.wgu, self.bgu = _fused(gu, quantize), _fused_bias(gu)
         self.wdown, self.bdown = _prepared(m.down_proj.weight, quantize), m.down_proj.bias
-        self.wqkv, self.wgu = _prepared(self.wqkv, quantize), _prepared(self.wgu, quantize)
         # the same products by the HF layers' own weights, for long prompt passes (FastForward.dense_rows)
-        self.parts = ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,))
+        self.parts = (qkv, (a.o_proj,), gu, (m.down_proj,))
 
 
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -262,6 +279,10 @@ def make_adapter(model, layer_ids: list[int] | None, runtime: str = "auto") -> T
         raise DFlashConfigError(f"unknown runtime {runtime!r} (choose from {', '.join(RUNTIMES)})")
     compile = runtime.endswith("-compile")
     runtime = runtime.removesuffix("-compile")
+    device = next(model.parameters()).device
+    if runtime.startswith("fast-") and device.type != "cpu":
+        raise DFlashConfigError(f"runtime {runtime!r} is CPU-only (its weight-only {runtime[5:]} kernels are "
+                                f"PyTorch's and dflash's CPU kernels); on {device.type} use runtime 'fast' or 'hf'")
     if runtime.startswith("fast-"):
         return FastTargetAdapter(model, layer_ids, quantize=runtime.removeprefix("fast-"), compile=compile)
     if runtime == "fast" or (runtime == "auto" and fast_unsupported(model) is None):

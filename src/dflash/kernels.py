@@ -205,7 +205,6 @@ def int4_kernel_choice() -> str:
     return choice
 
 
-@functools.cache
 def int4_kernel() -> bool:
     """Whether int4 products run on dflash's own kernel (`csrc/int4_vnni.cpp`): an x86 CPU with AVX-512 VNNI and
     a C++ compiler, built once per PyTorch version under DFLASH_HOME/kernels. DFLASH_INT4_KERNEL=torch keeps
@@ -214,9 +213,25 @@ def int4_kernel() -> bool:
     if choice == "torch":
         return False
     missing = _VNNI_FLAGS - (cpu_flags() or set())
+    problem = f"this CPU lacks {', '.join(sorted(missing))}" if missing else _int4_build()
+    if problem is None:
+        return True
+    if choice == "dflash":
+        raise DFlashConfigError(f"DFLASH_INT4_KERNEL=dflash, but dflash's int4 kernel is unavailable: {problem}")
+    if not missing and not _warned:  # no compiler, no headers: PyTorch's kernel still works
+        _warned.append(problem)
+        warnings.warn(f"dflash's int4 kernel did not build, int4 layers use PyTorch's: {problem}", stacklevel=2)
+    return False
+
+
+_warned: list[str] = []
+
+
+@functools.cache
+def _int4_build() -> str | None:
+    """Builds (or finds built) and loads the kernel, once per process: a library registers its op once. Returns
+    why it is unavailable, None when loaded."""
     try:
-        if missing:
-            raise RuntimeError(f"this CPU lacks {', '.join(sorted(missing))}")
         from torch.utils.cpp_extension import load
 
         build = dflash_home() / "kernels" / f"torch-{torch.__version__}"
@@ -224,15 +239,11 @@ def int4_kernel() -> bool:
         load(name="dflash_int4", sources=[str(Path(__file__).parent / "csrc" / "int4_vnni.cpp")],
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"],
              extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
-    except Exception as e:  # no compiler, no headers, another CPU: PyTorch's kernel still works
-        if choice == "dflash":
-            raise DFlashConfigError(f"DFLASH_INT4_KERNEL=dflash, but dflash's int4 kernel is unavailable: {e}") from e
-        if not missing:
-            warnings.warn(f"dflash's int4 kernel did not build, int4 layers use PyTorch's: {e}", stacklevel=2)
-        return False
+    except Exception as e:
+        return str(e)
     torch.library.register_fake("dflash_cpu::int4_linear")(
         lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 16))
-    return True
+    return None
 
 
 class Int4Weight(_WeightOnlyQuantized):

@@ -192,9 +192,11 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
         set_default_threads(threads)
     dtype = _resolve_dtype(dtype, device)
     kind, location = _local(name_or_path)
+    # off the CPU the weights load straight onto the device (an 8B model would otherwise pass through host memory)
+    placement = {} if device.type == "cpu" else {"device_map": str(device)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **placement)
     except OSError as e:
         raise _load_error(name_or_path, kind, location, e) from None
     model = model.to(device).eval()

@@ -216,6 +216,17 @@ class DFlashDraftModel(nn.Module):
         self._head_cache = self._proposal_cache = None
         self._compiled = None  # see compiled()
 
+    def _apply(self, fn, recurse=True):
+        # RoPE frequencies stay fp32 whatever dtype the draft is cast to: trained with fp32 frequencies, a bf16
+        # draft would otherwise run with rounded ones (0.3% off), which drifts the angles at long context
+        freqs = {name: b for name, b in self.rotary_emb.named_buffers(recurse=False) if b is not None}
+        out = super()._apply(fn, recurse)
+        for name, old in freqs.items():
+            new = self.rotary_emb._buffers[name]
+            if new is not None and new.dtype != old.dtype and new.device.type != "meta":
+                self.rotary_emb._buffers[name] = old.to(new.device)
+        return out
+
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, num_layers: int = 1, block_size: int = 16, target_layer_ids=None,
@@ -320,9 +331,9 @@ class DFlashDraftModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target=None, *, device=None, dtype=None):
-        """Loads a draft in the published format from a local folder (or a hub id when online)."""
-        from safetensors.torch import load_file
-
+        """Loads a draft in the published format from a local folder (or a hub id when online): one
+        model.safetensors, or shards named by model.safetensors.index.json. The weights are read straight into
+        the draft: it is built on the meta device, without a random initialisation or an fp32 copy first."""
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
             directory = draft_folder(directory)
@@ -330,25 +341,26 @@ class DFlashDraftModel(nn.Module):
         if config.draft_method != cls.DRAFT_METHOD:
             raise DFlashConfigError(f"{directory} holds a {config.draft_method} draft, not a {cls.DRAFT_METHOD} one: "
                                     "load it with dflash.load_draft, which picks the class its config names")
-        model = cls(config)
-        path = os.path.join(directory, "model.safetensors")
-        if not os.path.isfile(path):
-            raise DFlashConfigError(f"no model.safetensors in draft directory {directory}")
-        state = load_file(path)
-        state = {k.removeprefix("model."): v for k, v in state.items()
+        state = {k.removeprefix("model."): v for k, v in _read_weights(directory).items()
                  if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
-        if "draft_vocab" in state:
-            model.draft_vocab = torch.empty_like(state["draft_vocab"])
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if "rotary_emb" not in k]
-        if missing or unexpected:
-            raise DFlashConfigError(f"draft checkpoint {path} does not match its config: "
-                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         if target is not None:
             param = next(target.parameters())
             device, dtype = device or param.device, dtype or param.dtype
         if dtype is None and config.dtype:
             dtype = getattr(torch, config.dtype, None)
+        device = torch.device(device or "cpu")
+        with torch.device("meta"):
+            model = cls(config)
+        # the RoPE tables are computed, not stored: made for real, in fp32, where the draft will run
+        with torch.device(device):
+            model.rotary_emb = type(model.rotary_emb)(config.to_qwen3_config())
+        if "draft_vocab" in state:
+            model.draft_vocab = torch.empty_like(state["draft_vocab"], device="meta")
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise DFlashConfigError(f"draft checkpoint in {directory} does not match its config: "
+                                    f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         model = model.to(device=device, dtype=dtype)
         if target is not None:
             model.bind(target)
@@ -565,6 +577,32 @@ def choose_mask_token_id(target, tokenizer=None) -> int:
     if isinstance(pad, int) and 0 <= pad < rows and pad not in eos:
         return pad
     return rows - 1
+
+
+def _read_weights(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = single + ".index.json"
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        import json
+
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        files = [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+        absent = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if not files or absent:
+            raise DFlashConfigError(f"draft directory {directory}: its index names shards that are not there: "
+                                    f"{absent or 'none'}")
+    else:
+        raise DFlashConfigError(f"no model.safetensors (or model.safetensors.index.json and its shards) in draft "
+                                f"directory {directory}")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
 
 
 def draft_folder(repo_id: str) -> str:

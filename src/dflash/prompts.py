@@ -154,11 +154,16 @@ def _iter_jsonl(path: Path, bad: list[BadLine]):
                 bad.append(BadLine(f"{path}:{lineno}", f"invalid JSON ({e.msg})"))
 
 
-def encode_prompt(tokenizer, messages: list[dict], system: str | None = None) -> list[int]:
+def encode_prompt(tokenizer, messages: list[dict], system: str | None = None,
+                  template_kwargs: dict | None = None) -> list[int]:
+    """The conversation as the model's chat template writes it, up to the assistant's turn. template_kwargs are
+    the template's own options, e.g. {"enable_thinking": False} for Qwen3: a draft is accepted well only in the
+    mode its training answers were written in."""
     if system:
         messages = [{"role": "system", "content": system}] + messages
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
     return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
 
@@ -178,6 +183,20 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
         ids[i, P - len(r):] = torch.tensor(r)
         mask[i, P - len(r):] = 1
     return ids, mask
+
+
+def parse_template_kwargs(text: str | None) -> dict | None:
+    """--chat-template-kwargs: a JSON object, e.g. '{"enable_thinking": false}'."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"--chat-template-kwargs is not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise DFlashError(f"--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'; "
+                          f"got {text!r}")
+    return value
 
 
 def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:

@@ -48,11 +48,14 @@ class RegenerateConfig:
     system: str | None = None
     base_url: str | None = None  # an OpenAI-compatible server that runs the model (ours, vLLM, SGLang)
     runtime: str = "auto"  # the local target's forward (dflash.fast)
+    chat_template_kwargs: dict | None = None  # the template's options, e.g. {"enable_thinking": False}
 
     def identity(self) -> dict:
         """Settings a resumed run must share with the run that started the folder."""
         d = asdict(self)  # batch_size stays: chunk boundaries must not move
         del d["output"], d["limit"], d["base_url"], d["runtime"]  # where/how the model runs may change
+        if d["chat_template_kwargs"] is None:  # as folders made before the option existed say it
+            del d["chat_template_kwargs"]
         return d
 
 
@@ -113,7 +116,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
         stop_ids = default_stop_token_ids(target)
     encoded, too_long = [], []
     for p in prompts:
-        ids = encode_prompt(tokenizer, p.messages, cfg.system)
+        ids = encode_prompt(tokenizer, p.messages, cfg.system, cfg.chat_template_kwargs)
         (encoded if len(ids) <= cfg.max_prompt_tokens else too_long).append((p, ids))
     if self_sources:
         prefix = user_turn_prefix(tokenizer, cfg.system)
@@ -185,6 +188,8 @@ def remote_answers(cfg: RegenerateConfig, conversations: list[list[dict]], chunk
         client = openai.AsyncOpenAI(base_url=cfg.base_url, api_key=os.environ.get("OPENAI_API_KEY", "none"),
                                     timeout=3600)
         extra = {"top_k": cfg.top_k} if cfg.top_k else {}
+        if cfg.chat_template_kwargs:  # vLLM's and SGLang's name for it, and ours
+            extra["chat_template_kwargs"] = cfg.chat_template_kwargs
         try:
             model = (await client.models.list()).data[0].id  # the server's name for it may differ from ours
             return await asyncio.gather(*[client.chat.completions.create(

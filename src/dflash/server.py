@@ -19,6 +19,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, Field, field_validator
 
 from .engine import LLMEngine, QueueFullError, Sequence
@@ -79,6 +80,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict | None = None  # vLLM's and SGLang's extension, e.g. {"enable_thinking": false}
 
 
 class CompletionRequest(_Common):
@@ -119,7 +121,7 @@ def _usage(seq: Sequence) -> dict:
 
 
 def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 30.0,
-              engine_thread: bool = True) -> FastAPI:
+              engine_thread: bool = True, chat_template_kwargs: dict | None = None) -> FastAPI:
     """The app; its lifespan starts the engine's loop in a thread of its own, unless engine_thread is False: then
     the caller runs `engine.run_forever(app.state.stop_engine)`, which returns once the app has shut down."""
     engine.metrics = engine.metrics or EngineMetrics(engine.block_size)
@@ -264,9 +266,13 @@ def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 3
     async def chat_completions(body: ChatRequest, request: Request):
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt_ids = encode_prompt(engine.tokenizer, messages)
+            # the server's template options (--chat-template-kwargs), the request's own on top
+            options = {**(chat_template_kwargs or {}), **(body.chat_template_kwargs or {})}
+            prompt_ids = encode_prompt(engine.tokenizer, messages, None, options)
         except DFlashInputError as e:
             return _error(400, str(e), param="messages")
+        except TemplateError as e:  # the template itself refused (its raise_exception, an option it rejects)
+            return _error(400, f"the chat template failed: {e}", param="chat_template_kwargs")
         return await _serve(request, body, prompt_ids, chat=True)
 
     @app.post("/v1/completions")
@@ -279,7 +285,7 @@ def build_app(engine: LLMEngine, model_name: str, *, shutdown_timeout: float = 3
 
 
 def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info") -> None:
+          log_level: str = "info", chat_template_kwargs: dict | None = None) -> None:
     """Runs the server until SIGINT/SIGTERM: uvicorn stops accepting, lets open requests finish (up to 30 s),
     then the engine cancels what is left and stops.
 
@@ -293,7 +299,7 @@ def serve(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int
 
     import uvicorn
 
-    app = build_app(engine, model_name, engine_thread=False)
+    app = build_app(engine, model_name, engine_thread=False, chat_template_kwargs=chat_template_kwargs)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=30))
 

@@ -143,7 +143,9 @@ class DFlashTrainStep(nn.Module):
     def __init__(self, draft: DFlashDraftModel, gamma: float):
         super().__init__()
         self.draft = draft
-        self.register_buffer("weights", loss_weights(draft.config.block_size, gamma), persistent=False)
+        # on the draft's device: DistributedDataParallel broadcasts buffers, and NCCL takes no CPU tensor
+        self.register_buffer("weights", loss_weights(draft.config.block_size, gamma).to(draft.fc.weight.device),
+                             persistent=False)
 
     def block_hidden(self, features, input_ids, anchors):
         """Final hidden states [n, B, H] of every anchor's block, all blocks in one packed forward.
@@ -279,6 +281,9 @@ def compute_features(target, records, layer_ids, output, *, max_length, dtype, c
 def _dist():
     import torch.distributed as dist
 
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        # one GPU per process: without it every rank's NCCL work lands on GPU 0
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     if dist.is_available() and dist.is_initialized():
