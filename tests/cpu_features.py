@@ -12,3 +12,5 @@ needs_bf16_packing = pytest.mark.skipif(
     reason="needs oneDNN bf16 weight packing (AVX-512 bw/vl/dq or AVX-NE-CONVERT; PyTorch with oneDNN)")
 needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(),
                                        reason="dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
+needs_attention_kernel = pytest.mark.skipif(not kernels.cache_attention_kernel(),
+                                            reason="dflash's attention kernel needs an x86 CPU and a C++ compiler")

@@ -7,8 +7,9 @@ import torch
 from dflash import DFlashDraftModel, ar_generate, fast, kernels, spec_generate
 from dflash.errors import DFlashConfigError
 from dflash.fast import FastTargetAdapter, Int4Weight, fast_unsupported, make_adapter
+from dflash.prompts import left_pad
 from dflash.target import TargetAdapter
-from cpu_features import needs_bf16_packing, needs_int4_kernel
+from cpu_features import needs_attention_kernel, needs_bf16_packing, needs_int4_kernel
 from tiny import ragged_batch, tiny_target
 
 FAST = ["llama", "qwen2", "qwen3", "mistral"]
@@ -249,3 +250,55 @@ def test_the_fast_path_holds_no_second_copy_of_the_weights(arch):
     assert layer.self_attn.k_proj.weight.untyped_storage().data_ptr() == ff.layers[0].wqkv.untyped_storage().data_ptr()
     assert torch.equal(out, ref)  # and both forwards still compute the same
     assert torch.equal(ar_generate(target, ids, mask, max_new_tokens=6, stop_token_ids=[], runtime="hf"), ref)
+
+
+def _steps(target, runtime, prompts: list[list[int]], block: list[list[int]]):
+    """Logits of a verify step over `block` after the prompts, and of the same tokens one step at a time."""
+    ids, mask = left_pad(prompts, 0)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    a = make_adapter(target, None, runtime)
+    a.reset(len(prompts), ids.shape[1] + 16)
+    block = torch.tensor(block)
+    k = block.shape[1]
+    bpos = pos[:, -1:] + 1 + torch.arange(k)
+    with torch.inference_mode():
+        a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)
+        verify = a.forward(block, bpos, capture=False)[0].float()
+        a.rewind(k)
+        a.valid[:, a.pointer:] = False
+        single = torch.cat([a.forward(block[:, t:t + 1], bpos[:, t:t + 1], capture=False)[0].float()
+                            for t in range(k)], 1)
+    return verify, single
+
+
+@needs_attention_kernel
+@needs_int4_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int4_verify_steps_are_bitwise_single_steps_and_rows_do_not_see_each_other(arch):
+    # every product (dflash's int4 kernel), the attention (dflash's cache kernel), norms and RoPE compute a row
+    # and a query the same way whatever else is in the step: verifying k tokens gives the logits of k single
+    # steps bit for bit, and a row's logits do not depend on the other rows
+    target = tiny_target(arch, seed=3).bfloat16()
+    prompts, block = [[5, 9, 11, 3, 7, 20, 8], [4, 6, 2]], [[12, 30, 41, 7, 9], [50, 8, 8, 13, 2]]
+    verify, single = _steps(target, "fast-int4", prompts, block)
+    assert torch.equal(verify, single)
+    alone, _ = _steps(target, "fast-int4", prompts[1:], block[1:])
+    assert torch.equal(alone[0], verify[1])
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=needs_attention_kernel), "torch"])
+def test_attention_with_and_without_dflashs_kernel(kernel, monkeypatch):
+    # without the kernel (DFLASH_ATTENTION_KERNEL=torch, or no compiler) the CPU cache holds fp32 and SDPA
+    # attends; either way plain and speculative decoding agree and the fp32 model matches HF's forward
+    monkeypatch.setenv("DFLASH_ATTENTION_KERNEL", kernel)
+    ids, mask = ragged_batch([5, 11], seed=3)
+    fp32 = tiny_target("qwen3", seed=7)
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    assert torch.equal(ar_generate(fp32, ids, mask, runtime="fast", **kw), ar_generate(fp32, ids, mask, runtime="hf", **kw))
+    bf16 = tiny_target("qwen3", seed=7).bfloat16()
+    ff = fast.fast_forward(bf16)
+    assert ff.cache_kernel == (kernel == "auto")
+    assert ff.attn_dtype == (torch.bfloat16 if kernel == "auto" else torch.float32)
+    draft = DFlashDraftModel.from_target(bf16, num_layers=1, block_size=4)
+    assert torch.equal(spec_generate(bf16, draft, ids, mask, runtime="fast", **kw),
+                       ar_generate(bf16, ids, mask, runtime="fast", **kw))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dflash import kernels
 from dflash.errors import DFlashConfigError
 from dflash.kernels import Linear, linear
-from cpu_features import needs_bf16_packing, needs_int4_kernel
+from cpu_features import needs_attention_kernel, needs_bf16_packing, needs_int4_kernel
 
 
 
@@ -174,3 +174,58 @@ def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
         kernels.int4_kernel_choice()
     with pytest.raises(DFlashConfigError, match="needs a multiple of 16"):
         kernels.Int4Weight(torch.randn(40, 64), ours=True)
+
+
+def _attention_case(b, heads, kv_heads, nq, T, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, nq, d, generator=g)
+    k = torch.randn(b, kv_heads, T + 5, d, generator=g).to(dtype)[:, :, :T]  # a slice of a longer cache
+    v = torch.randn(b, kv_heads, T + 5, d, generator=g).to(dtype)[:, :, :T]
+    visible = torch.rand(b, nq, T, generator=g) > 0.3
+    visible[:, torch.arange(nq), T - nq + torch.arange(nq)] = True  # each query sees its own slot
+    return q, k, v, visible
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 32])
+def test_cache_attention_matches_sdpa(dtype, d):
+    q, k, v, visible = _attention_case(3, 6, 2, 5, 70, d, dtype)
+    got = torch.ops.dflash_attn.cache_attention(q, k, v, visible, d ** -0.5)
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
+    want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
+    assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_attention_kernel
+def test_cache_attention_of_a_query_does_not_depend_on_anything_it_does_not_see():
+    # the same query against the same visible keys, bit for bit: alone or among other queries, other batch rows,
+    # with masked keys after it (a verify block) and masked holes before it (rejected or padded slots)
+    d, T = 64, 50
+    q, k, v, visible = _attention_case(1, 4, 2, 1, T, d, torch.bfloat16, seed=1)
+    alone = torch.ops.dflash_attn.cache_attention(q, k, v, visible, 0.125)
+    g = torch.Generator().manual_seed(2)
+    hole, tail = 7, 9
+    k2 = torch.cat([torch.randn(1, 2, hole, d, generator=g).bfloat16(), k,
+                    torch.randn(1, 2, tail, d, generator=g).bfloat16()], 2)
+    v2 = torch.cat([torch.randn(1, 2, hole, d, generator=g).bfloat16(), v,
+                    torch.randn(1, 2, tail, d, generator=g).bfloat16()], 2)
+    others = torch.randn(1, 4, 3, d, generator=g)
+    q2 = torch.cat([others[:, :, :2], q, others[:, :, 2:]], 2)  # our query third of four
+    vis2 = torch.rand(1, 4, hole + T + tail, generator=g) > 0.5
+    vis2[:, 2] = False
+    vis2[:, 2, hole:hole + T] = visible[:, 0]
+    batch_q = torch.cat([torch.randn(1, 4, 4, d, generator=g), q2])  # and a second batch row before it
+    batch_k, batch_v = torch.cat([k2.flip(2), k2]), torch.cat([v2.flip(2), v2])
+    batch_vis = torch.cat([torch.rand(1, 4, hole + T + tail, generator=g) > 0.5, vis2])
+    among = torch.ops.dflash_attn.cache_attention(batch_q, batch_k, batch_v, batch_vis, 0.125)
+    assert torch.equal(among[1, :, 2], alone[0, :, 0])
+
+
+@needs_attention_kernel
+def test_cache_attention_refuses_what_it_cannot_take():
+    q, k, v, visible = _attention_case(1, 4, 2, 2, 10, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.dflash_attn.cache_attention(q[..., :40], k[..., :40], v[..., :40], visible, 0.1)
+    with pytest.raises(RuntimeError, match="must both be fp32 or both bf16"):
+        torch.ops.dflash_attn.cache_attention(q, k.half(), v.half(), visible, 0.1)

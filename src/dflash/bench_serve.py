@@ -184,7 +184,7 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
     found = []
     for concurrency, i, spec_text, ar_text in pairs:
         prompt = encode_prompt(tok, prompts[i % len(prompts)].messages, None,
-                               parse_template_kwargs(args.chat_template_kwargs))
+                               parse_template_kwargs(getattr(args, "chat_template_kwargs", None)))
         ar_ids, spec_ids = (tok(t, add_special_tokens=False)["input_ids"] for t in (ar_text, spec_text))
         k = _first_difference(ar_ids, spec_ids)
         gap, tie = _tie_check(target, prompt + ar_ids[:k], ar_ids[k] if k < len(ar_ids) else None,

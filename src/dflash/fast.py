@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashConfigError
-from .kernels import Int4Weight, Int8Weight, PackedWeight, packable
+from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, packable
 from .compiled import compile_frozen
 from .target import TargetAdapter, decoder_layers
 
@@ -44,6 +44,7 @@ def fast_unsupported(model) -> str | None:
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
 PROMPT_DENSE_ROWS = 16  # prompt tokens from which a prompt pass multiplies by the model's own weights, see dense_rows
+CACHE_KERNEL_QUERIES = 16  # steps of up to this many tokens attend through dflash's kernel on the CPU
 
 
 def _prepared(w: torch.Tensor, quantize: str | None):
@@ -138,9 +139,12 @@ class FastForward:
         self.layers = [_Layer(layer, quantize) for layer in decoder_layers(model)]
         dtype = next(model.parameters()).dtype
         on_cpu = next(model.parameters()).device.type == "cpu"
-        # on the CPU, bf16/fp16 attention kernels for a few queries over a long cache are several times slower
-        # than fp32 ones, so there the cache holds fp32
-        self.attn_dtype = torch.float32 if on_cpu else dtype
+        # On the CPU, decode and verify steps (up to CACHE_KERNEL_QUERIES queries) attend through dflash's kernel
+        # (kernels.cache_attention_kernel): it reads the cache in the model's dtype and computes every query the
+        # same way whatever else is in the step. Without it, PyTorch's bf16/fp16 attention for a few queries over a
+        # long cache is several times slower than fp32, so the cache then holds fp32.
+        self.cache_kernel = on_cpu and self.head_dim % 16 == 0 and cache_attention_kernel()
+        self.attn_dtype = dtype if (self.cache_kernel or not on_cpu) else torch.float32
         # Kernels made for the few rows of a step can be slow for a prompt's hundreds. Where the CPU has no
         # bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's fallback costs about
         # linearly in the rows, several times an fp32 product; the weight-only int8/int4 kernels are
@@ -216,8 +220,11 @@ class FastForward:
         slots = torch.arange(end, device=valid.device)
         own = (pointer + torch.arange(q, device=valid.device))[:, None]
         visible = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
+        few = self.cache_kernel and q <= CACHE_KERNEL_QUERIES
+        # a CPU cache in bf16 is read by SDPA in fp32 (its bf16 kernels are slow there)
+        sdpa_dtype = torch.float32 if (self.cache_kernel and self.attn_dtype != torch.float32) else self.attn_dtype
         # additive, made once: SDPA would turn a boolean mask into one in every layer
-        mask = torch.zeros(visible.shape, dtype=self.attn_dtype, device=visible.device).masked_fill_(
+        mask = None if few else torch.zeros(visible.shape, dtype=sdpa_dtype, device=visible.device).masked_fill_(
             ~visible, float("-inf"))
         taps = {}
         tap_set = set(tap_ids)
@@ -238,8 +245,13 @@ class FastForward:
             qs, ks = qk[:, :nh], qk[:, nh:]
             vs = vs.view(b, q, nkv, d).transpose(1, 2)
             keys, values = self._write(layer_cache, ks, vs, pointer)
-            o = F.scaled_dot_product_attention(qs.to(self.attn_dtype), keys[:, :, :end], values[:, :, :end],
-                                               attn_mask=mask, scale=self.scaling, enable_gqa=self.gqa)
+            if few:
+                o = torch.ops.dflash_attn.cache_attention(qs.float(), keys[:, :, :end], values[:, :, :end],
+                                                          visible[:, 0], self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(qs.to(sdpa_dtype), keys[:, :, :end].to(sdpa_dtype),
+                                                   values[:, :, :end].to(sdpa_dtype), attn_mask=mask,
+                                                   scale=self.scaling, enable_gqa=self.gqa)
             x = x + mm(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, L.parts[1])
             gate, lift = mm(_norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
             x = x + mm(F.silu(gate) * lift, L.wdown, L.bdown, L.parts[3])

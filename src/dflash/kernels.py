@@ -25,8 +25,10 @@ step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import os
+import platform
 import warnings
 from pathlib import Path
 from weakref import WeakValueDictionary
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .errors import DFlashConfigError
-from .machine import cpu_flags, cpu_has, dflash_home
+from .machine import cpu_flags, cpu_has, dflash_home, max_cpu_isa
 
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
@@ -243,6 +245,44 @@ def _int4_build() -> str | None:
         return str(e)
     torch.library.register_fake("dflash_cpu::int4_linear")(
         lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 16))
+    return None
+
+
+def cache_attention_kernel() -> bool:
+    """Whether the CPU's decode and verify attention runs on dflash's kernel (`csrc/cache_attention.cpp`): each
+    cached key and value read once for all the queries and heads that share it, from a cache in the model's
+    dtype, and every query computed alike whatever else is in the step (see the source). Built on first use for
+    this CPU (-march=native, or AVX2 under DFLASH_MAX_CPU_ISA=avx2). DFLASH_ATTENTION_KERNEL=torch keeps
+    PyTorch's SDPA."""
+    if os.environ.get("DFLASH_ATTENTION_KERNEL", "auto") == "torch":
+        return False
+    problem = _attention_build()
+    if problem is not None and "attention" not in _warned:
+        _warned.append("attention")
+        warnings.warn(f"dflash's attention kernel did not build, attention uses PyTorch's: {problem}", stacklevel=2)
+    return problem is None
+
+
+@functools.cache
+def _attention_build() -> str | None:
+    """Builds (or finds built) and loads the attention kernel for this CPU, once per process."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"no build for {platform.machine()} yet"
+    isa = max_cpu_isa()
+    arch = ["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-march=native"]
+    flags = ["-O3", "-fopenmp", *arch]
+    # -march=native code is for this CPU only: its build folder is named by the CPU's flags
+    cpu = hashlib.sha256(" ".join(sorted(cpu_flags() or [])).encode()).hexdigest()[:12]
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = dflash_home() / "kernels" / f"torch-{torch.__version__}" / f"attention-{isa}-{cpu}"
+        build.mkdir(parents=True, exist_ok=True)
+        load(name=f"dflash_attention_{isa}", sources=[str(Path(__file__).parent / "csrc" / "cache_attention.cpp")],
+             extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    except Exception as e:
+        return str(e)
+    torch.library.register_fake("dflash_attn::cache_attention")(lambda q, k, v, visible, scale: q.new_empty(q.shape))
     return None
 
 
