@@ -10,7 +10,7 @@ from dflash import kernels
 needs_bf16_packing = pytest.mark.skipif(
     not (kernels._ONEDNN and kernels._cpu_packs(torch.bfloat16)),
     reason="needs oneDNN bf16 weight packing (AVX-512 bw/vl/dq or AVX-NE-CONVERT; PyTorch with oneDNN)")
-needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(),
-                                       reason="dflash's int4 kernel needs an x86 CPU with AVX-512 VNNI")
+needs_int4_kernel = pytest.mark.skipif(not kernels.int4_kernel(), reason="dflash's int4 kernel needs an x86 CPU with "
+                                       "AVX-512 VNNI, or AVX2 with FMA and F16C, and a C++ compiler")
 needs_attention_kernel = pytest.mark.skipif(not kernels.cache_attention_kernel(),
                                             reason="dflash's attention kernel needs an x86 CPU and a C++ compiler")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import kernels
+from dflash import kernels, machine
 from dflash.errors import DFlashConfigError
 from dflash.kernels import Linear, linear
 from cpu_features import needs_attention_kernel, needs_bf16_packing, needs_int4_kernel
@@ -156,6 +156,31 @@ def test_int4_kernel_matches_its_arithmetic_and_a_row_does_not_depend_on_the_bat
         assert torch.equal(alone, y), rows
 
 
+def _int4_builds_here() -> list[str]:
+    flags = machine.cpu_flags() or set()
+    return [b for b, (needs, _) in kernels.INT4_BUILDS.items() if needs <= flags and kernels._int4_build(b) is None]
+
+
+@pytest.mark.parametrize("build", list(kernels.INT4_BUILDS))
+def test_each_int4_build_does_the_reference_arithmetic_and_all_agree_bitwise(build):
+    # the AVX2 build (vpmaddubsw + vpmaddwd) makes the very sums the AVX-512 VNNI build (vpdpbusd) makes, and
+    # the same float operations lane by lane: the same bits, whatever the CPU, and a row alone as in a batch
+    if build not in _int4_builds_here():
+        pytest.skip(f"the {build} build of dflash's int4 kernel needs {sorted(kernels.INT4_BUILDS[build][0])} "
+                    "and a C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    w = kernels.Int4Weight(torch.randn(160, 96, generator=g), ours=True)
+    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        y = kernels.int4_op(build)(x, w.qweight, w.scales)
+        ref = _int4_reference(x, w)
+        assert torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max()), rows
+        assert torch.equal(torch.cat([kernels.int4_op(build)(x[i:i + 1].clone(), w.qweight, w.scales)
+                                      for i in range(rows)]), y), rows
+        for other in _int4_builds_here():
+            assert torch.equal(kernels.int4_op(other)(x, w.qweight, w.scales), y), (build, other, rows)
+
+
 @needs_int4_kernel
 def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
     w = kernels.Int4Weight(torch.randn(32, 64))
@@ -164,11 +189,11 @@ def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
     compiled = torch.compile(lambda x: w.linear(x, b), fullgraph=True)
     assert torch.equal(compiled(x), w.linear(x, b))
     with pytest.raises(RuntimeError, match="x must be a 2-D bf16"):
-        torch.ops.dflash_cpu.int4_linear(x.view(6, 64), w.qweight, w.scales)
+        kernels.int4_op()(x.view(6, 64), w.qweight, w.scales)
     with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
-        torch.ops.dflash_cpu.int4_linear(torch.randn(2, 32).bfloat16(), w.qweight, w.scales)
+        kernels.int4_op()(torch.randn(2, 32).bfloat16(), w.qweight, w.scales)
     with pytest.raises(RuntimeError, match="scales must be a contiguous fp16"):
-        torch.ops.dflash_cpu.int4_linear(x.view(6, 64).bfloat16(), w.qweight, w.scales.float())
+        kernels.int4_op()(x.view(6, 64).bfloat16(), w.qweight, w.scales.float())
     monkeypatch.setenv("DFLASH_INT4_KERNEL", "fastest")
     with pytest.raises(DFlashConfigError, match="DFLASH_INT4_KERNEL='fastest': expected one of auto, dflash, torch"):
         kernels.int4_kernel_choice()

@@ -15,7 +15,7 @@ module: the drafts, whose proposals the target verifies (the target's fast runti
 
 It also holds the weight-only int8 / int4 weights that the fast runtime's quantised targets multiply by, and that
 the drafts score their proposals with where the CPU has no half kernels: PyTorch's CPU kernels, and for int4 on
-CPUs with AVX-512 VNNI our own (`csrc/int4_vnni.cpp`, built on first use), whose cost grows slowly with the rows
+x86 CPUs with AVX-512 VNNI or AVX2 our own (`csrc/int4.cpp`, built on first use), whose cost grows slowly with the rows
 (see `Int4Weight`).
 
 Packed and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
@@ -196,7 +196,10 @@ class Int8Weight(_WeightOnlyQuantized):
         return torch._weight_int8pack_mm(x, self.qweight, self.scale)
 
 
-_VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+# builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags
+INT4_BUILDS = {"avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+                               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+               "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])}
 INT4_KERNELS = ("auto", "dflash", "torch")
 
 
@@ -207,43 +210,55 @@ def int4_kernel_choice() -> str:
     return choice
 
 
+def int4_build() -> str | None:
+    """The build of dflash's int4 kernel this CPU runs (see INT4_BUILDS; DFLASH_MAX_CPU_ISA applies), if any."""
+    flags = cpu_flags() or set()
+    return next((name for name, (needs, _) in INT4_BUILDS.items() if needs <= flags), None)
+
+
 def int4_kernel() -> bool:
-    """Whether int4 products run on dflash's own kernel (`csrc/int4_vnni.cpp`): an x86 CPU with AVX-512 VNNI and
-    a C++ compiler, built once per PyTorch version under DFLASH_HOME/kernels. DFLASH_INT4_KERNEL=torch keeps
-    PyTorch's kernel; =dflash makes a failed build an error instead of a warning."""
+    """Whether int4 products run on dflash's own kernel (`csrc/int4.cpp`): an x86 CPU with AVX-512 VNNI, or AVX2
+    with FMA and F16C, and a C++ compiler; built once per PyTorch version under DFLASH_HOME/kernels.
+    DFLASH_INT4_KERNEL=torch keeps PyTorch's kernel; =dflash makes a failed build an error instead of a warning."""
     choice = int4_kernel_choice()
     if choice == "torch":
         return False
-    missing = _VNNI_FLAGS - (cpu_flags() or set())
-    problem = f"this CPU lacks {', '.join(sorted(missing))}" if missing else _int4_build()
+    build = int4_build()
+    problem = "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C" if build is None else _int4_build(build)
     if problem is None:
         return True
     if choice == "dflash":
         raise DFlashConfigError(f"DFLASH_INT4_KERNEL=dflash, but dflash's int4 kernel is unavailable: {problem}")
-    if not missing and not _warned:  # no compiler, no headers: PyTorch's kernel still works
-        _warned.append(problem)
+    if build is not None and "int4" not in _warned:  # no compiler, no headers: PyTorch's kernel still works
+        _warned.append("int4")
         warnings.warn(f"dflash's int4 kernel did not build, int4 layers use PyTorch's: {problem}", stacklevel=2)
     return False
+
+
+def int4_op(build: str | None = None):
+    """The int4 product of a build (default: this CPU's), once built: op(x bf16 [M, K], qweight, scales)."""
+    return getattr(torch.ops, f"dflash_int4_{build or int4_build()}").int4_linear
 
 
 _warned: list[str] = []
 
 
 @functools.cache
-def _int4_build() -> str | None:
-    """Builds (or finds built) and loads the kernel, once per process: a library registers its op once. Returns
-    why it is unavailable, None when loaded."""
+def _int4_build(build: str) -> str | None:
+    """Builds (or finds built) and loads one build of the kernel, once per process: a library registers its op
+    once. Returns why it is unavailable, None when loaded."""
+    lib = f"dflash_int4_{build}"
     try:
         from torch.utils.cpp_extension import load
 
-        build = dflash_home() / "kernels" / f"torch-{torch.__version__}"
-        build.mkdir(parents=True, exist_ok=True)
-        load(name="dflash_int4", sources=[str(Path(__file__).parent / "csrc" / "int4_vnni.cpp")],
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+        folder = dflash_home() / "kernels" / f"torch-{torch.__version__}"
+        folder.mkdir(parents=True, exist_ok=True)
+        load(name=lib, sources=[str(Path(__file__).parent / "csrc" / "int4.cpp")],
+             extra_cflags=["-O3", *INT4_BUILDS[build][1], f"-DDFLASH_INT4_LIB={lib}", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
     except Exception as e:
         return str(e)
-    torch.library.register_fake("dflash_cpu::int4_linear")(
+    torch.library.register_fake(f"{lib}::int4_linear")(
         lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 16))
     return None
 
@@ -314,8 +329,9 @@ class Int4Weight(_WeightOnlyQuantized):
         self.ours = ours is not False and out_features % 16 == 0 and int4_kernel()
         if ours and not self.ours:
             raise DFlashConfigError(f"dflash's int4 kernel cannot take a weight of {out_features} outputs here (it "
-                                    f"needs a multiple of 16 and an x86 CPU with AVX-512 VNNI)")
-        if self.ours:  # the layout csrc/int4_vnni.cpp documents
+                                    f"needs a multiple of 16 and an x86 CPU with AVX-512 VNNI or AVX2)")
+        if self.ours:  # the layout csrc/int4.cpp documents
+            self.op = int4_op()
             tiles, octets = out_features // 16, in_features // 8
             nibbles = q.view(tiles, 16, octets, 2, 4).permute(0, 2, 1, 4, 3)  # [tile, octet, output, input, half]
             self.qweight = (nibbles[..., 0] | nibbles[..., 1] << 4).to(torch.uint8).reshape(tiles, octets, 64)
@@ -329,5 +345,5 @@ class Int4Weight(_WeightOnlyQuantized):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.ours:
-            return torch.ops.dflash_cpu.int4_linear(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
+            return self.op(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)

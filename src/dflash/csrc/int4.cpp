@@ -1,4 +1,7 @@
-// Weight-only int4 linear layer for x86 CPUs with AVX-512 VNNI: y[M, N] = x[M, K] @ w[N, K]^T, bf16 in and out.
+// Weight-only int4 linear layer for x86 CPUs: y[M, N] = x[M, K] @ w[N, K]^T, bf16 in and out. Built for AVX-512
+// VNNI (16 outputs per register, `vpdpbusd`) or, compiled without it, for AVX2 with FMA and F16C (8 outputs per
+// register; `vpmaddubsw` + `vpmaddwd` make the same exact int32 sums, since 15 x 127 x 2 fits an int16). Both
+// builds do the same arithmetic lane by lane: their results are bitwise equal.
 //
 // Why it exists: speculative decoding pays off while verifying a block of rows costs little more than
 // decoding one. PyTorch's int4 CPU kernel costs about linearly in the rows (8 rows: 3x one row), so verify
@@ -18,6 +21,8 @@
 // Every row goes through the same instructions in the same order whatever the number of rows and wherever
 // it sits in the batch: a row's result does not depend on the batch, so verifying a block reproduces bit for
 // bit the logits of decoding one token at a time.
+//
+// DFLASH_INT4_LIB names the operator's library (one per build, so both can be loaded in one process).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,7 +40,14 @@ namespace {
 constexpr int64_t kGroup = 32;   // inputs per scale and low
 constexpr int64_t kTile = 16;    // outputs per register of 16 fp32
 constexpr int64_t kOctets = kGroup / 8;
-constexpr int64_t kMaxRows = 8;  // rows per pass over the weight; more rows take more passes, from cache
+// rows per pass over the weight; more rows take more passes, from cache (AVX2 has half the registers)
+#if defined(__AVX512VNNI__)
+constexpr int64_t kMaxRows = 8;
+#else
+constexpr int64_t kMaxRows = 4;
+#endif
+
+#if defined(__AVX512VNNI__)
 
 inline __m512 fp16x16_to_fp32(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -100,9 +112,88 @@ void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const 
   for (; t < end; ++t) tile_block<M, 1>(xq, xscale, xoff, q, scales, K, N, t, y);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+inline __m256 fp16x8_to_fp32(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// fp32 -> bf16, rounding to nearest even, as the AVX-512 build does
+inline __m128i fp32x8_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+
+// vpdpbusd's sum without VNNI: u8 x s8 pairs to int16 (at most 2 x 15 x 128: no saturation), pairs of those
+// to int32: the same four products per lane, added exactly
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x, __m256i ones) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+}
+
+// M rows x NT half-tiles (8 outputs each; half-tile h covers bytes 32(h%2).. of tile h/2's slabs) from
+// `half` on. Per row m and group g: xscale, and xoff = xscale * sum(xq).
+template <int M, int NT>
+void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
+                const uint16_t* scales, int64_t K, int64_t N, int64_t half, uint16_t* y) {
+  const int64_t groups = K / kGroup, octets = K / 8;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[M][NT];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[M][NT];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < NT; ++t) dot[m][t] = _mm256_setzero_si256();
+    for (int64_t o = g * kOctets; o < (g + 1) * kOctets; ++o) {
+      for (int t = 0; t < NT; ++t) {
+        const int64_t h = half + t;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((h / 2) * octets + o) * 64 +
+                                                                              (h % 2) * 32));
+        const __m256i lo = _mm256_and_si256(w, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K) + 2 * o;
+          dot[m][t] = dot4(dot[m][t], lo, _mm256_set1_epi32(x4[0]), ones);
+          dot[m][t] = dot4(dot[m][t], hi, _mm256_set1_epi32(x4[1]), ones);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const int64_t h = half + t;
+      const uint16_t* sl = scales + ((h / 2) * groups + g) * 2 * kTile + (h % 2) * 8;
+      const __m256 scale = fp16x8_to_fp32(sl), low = fp16x8_to_fp32(sl + kTile);
+      for (int m = 0; m < M; ++m) {
+        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g]));
+        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][t]), s, acc[m][t]);
+        acc[m][t] = _mm256_fmadd_ps(low, _mm256_set1_ps(xoff[m * groups + g]), acc[m][t]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (half + t) * 8), fp32x8_to_bf16(acc[m][t]));
+}
+
+// Tiles [begin, end) for M rows, as half-tiles, NT at a time where 16 registers allow it
+template <int M>
+void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
+                int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
+  constexpr int NT = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  int64_t h = 2 * begin;
+  for (; h + NT <= 2 * end; h += NT) tile_block<M, NT>(xq, xscale, xoff, q, scales, K, N, h, y);
+  for (; h < 2 * end; ++h) tile_block<M, 1>(xq, xscale, xoff, q, scales, K, N, h, y);
+}
+
+#else
+#error "dflash's int4 kernel needs AVX-512 VNNI, or AVX2 with FMA and F16C"
+#endif
+
 using RowsFn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, int64_t,
                         int64_t, int64_t, int64_t, uint16_t*);
-constexpr RowsFn kRows[kMaxRows + 1] = {nullptr,       rows_block<1>, rows_block<2>, rows_block<3>, rows_block<4>,
+constexpr RowsFn kRows[9] = {nullptr,       rows_block<1>, rows_block<2>, rows_block<3>, rows_block<4>,
                                         rows_block<5>, rows_block<6>, rows_block<7>, rows_block<8>};
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -155,6 +246,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 
 }  // namespace
 
-TORCH_LIBRARY(dflash_cpu, m) { m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY(DFLASH_INT4_LIB, m) { m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(dflash_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(DFLASH_INT4_LIB, CPU, m) { m.impl("int4_linear", &int4_linear); }
