@@ -9,6 +9,7 @@ from dflash.engine import EngineConfig, LLMEngine, QueueFullError, TextStream
 from dflash.errors import DFlashInputError
 from dflash.sampling import SamplingParams
 from oracle import OracleDraft
+from cpu_features import needs_attention_kernel, needs_int4_kernel
 from tiny import reference_greedy, tiny_target
 
 EOS = 2
@@ -172,3 +173,24 @@ def test_metrics_count_the_drafts_each_step_verified():
     accepted = sum(a - 1 for s in seqs for a in s.acceptance_lengths)
     assert value("dflash_draft_tokens_accepted_total") == accepted
     assert value("dflash_draft_acceptance_rate") == pytest.approx(accepted / (2 * sum(w - 1 for w in plan)))
+
+
+@needs_attention_kernel
+@needs_int4_kernel
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_a_greedy_answer_does_not_depend_on_who_else_is_served(with_draft):
+    # the int4 runtime's steps are batch-invariant and every prompt is prefilled alone in fixed chunks: a
+    # request's answer is bit for bit the same alone and beside others that join, leave and verify blocks
+    target = tiny_target("llama", seed=4).bfloat16()
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4) if with_draft else None
+    cfg = EngineConfig(max_batch_size=4, prefill_tokens=8, runtime="fast-int4")
+    mine, *others = prompts([13, 5, 21, 9, 30], seed=6)
+    alone = LLMEngine(target, None, draft, cfg).generate([mine], max_tokens=20)[0].output_ids
+    engine = LLMEngine(target, None, draft, cfg)
+    crowd = [engine.add_request(p, max_tokens=m) for p, m in zip(others[:2], (6, 25))]
+    engine.step()  # the others are under way when ours arrives
+    seq = engine.add_request(mine, max_tokens=20)
+    crowd += [engine.add_request(p, max_tokens=12) for p in others[2:]]
+    while engine.has_work():
+        engine.step()
+    assert seq.output_ids == alone and all(s.output_ids for s in crowd)

@@ -85,7 +85,10 @@ def _runtime_option(p) -> None:
     p.add_argument("--runtime", choices=RUNTIMES, default="auto",
                    help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 / fast-int4 = "
                    "the same with weight-only int8 / 4-bit (groups of 32, like GGUF Q4_1) linear layers (a quantised "
-                   "target), hf = the model's own; auto = fast where supported")
+                   "target), -compile = decode and verify steps through torch.compile, hf = the model's own; auto = "
+                   "fast-int4 for a model shipped as a 4-bit GGUF (Q4_0/Q4_1, bf16 on a CPU with dflash's int4 "
+                   "kernel: its own grid, and DFlash output bitwise plain decoding's), else fast where supported, "
+                   "else hf (the stats line names the choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -389,7 +392,8 @@ def stats_line(result) -> str:
     if result.width_counts:
         draft += f", steps per verify width {result.width_counts[1:]}"
     return (f"[dflash] {n} new tokens in {result.total_time:.2f}s, {result.tokens_per_second:.1f} tok/s, "
-            f"{draft}, steps={result.num_steps}, ttft={result.time_to_first_token * 1000:.0f} ms")
+            f"{draft}, steps={result.num_steps}, ttft={result.time_to_first_token * 1000:.0f} ms, "
+            f"runtime {result.runtime}")
 
 
 def cmd_generate(args) -> int:

@@ -19,12 +19,11 @@ from enum import Enum
 import torch
 
 from .adaptive import WidthController
-from .batch import SpecBatch, prompt_positions
+from .batch import SpecBatch
 from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
 from .model import DFlashDraftModel
-from .prompts import left_pad
 from .sampling import SamplingParams, choose_tokens
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,9 @@ class EngineConfig:
     max_queue: int = 64  # sequences waiting for a batch slot before new requests are refused
     block_size: int | None = None  # None: the draft's own
     max_model_len: int | None = None  # None: the target's context length
-    prefill_tokens: int = 512  # prompt tokens prefilled per step while other sequences decode
+    # prompt tokens prefilled per step while other sequences decode; also the size of the chunks a long prompt is
+    # read in (counted from its start, whatever else is prefilled beside it)
+    prefill_tokens: int = 512
     runtime: str = "auto"  # the target's forward: auto | fast | hf (see dflash.fast)
     # tokens verified per step over the whole batch: with many sequences running, blocks narrow (down to plain
     # decoding) so that checking drafts that will mostly be rejected does not cost more than it gains
@@ -198,11 +199,11 @@ class Scheduler:
         self.prefilling = picked
         return picked
 
-    def prefilled(self) -> None:
-        for s in self.prefilling:
+    def prefilled(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
             s.status = Status.RUNNING
-        self.running += self.prefilling
-        self.prefilling = []
+        self.running += seqs
+        self.prefilling = [s for s in self.prefilling if s.status is Status.PREFILLING]
 
     def finish(self, seqs: list[Sequence]) -> None:
         for s in seqs:
@@ -219,11 +220,20 @@ def _choose_per_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return choice
 
 
+@dataclass(eq=False)
+class _PrefillJob:
+    seq: Sequence
+    job: SpecBatch  # its own one-row batch, merged into the running one when the prompt is read
+    ids: torch.Tensor  # [1, P]
+    done: int = 0  # prompt tokens read so far
+
+
 class ModelRunner:
-    """The tensors: one SpecBatch holding every running row, one for the prompts being prefilled."""
+    """The tensors: one SpecBatch holding every running row, and one per prompt being prefilled."""
 
     def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
-                 runtime: str = "auto", max_verify_tokens: int = 64, adaptive_width: bool = True):
+                 runtime: str = "auto", max_verify_tokens: int = 64, adaptive_width: bool = True,
+                 prefill_chunk: int = 512):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
         self.widths = WidthController(self.B) if adaptive_width and draft is not None else None
@@ -238,34 +248,43 @@ class ModelRunner:
             self.anchor_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] its position
         self.width_plan: deque[int] = deque()  # widths of the next decode steps, ahead of the controller
         self.last_width = self.B  # of the last decode step: its rows each verified last_width - 1 drafts
-        self._prefill: tuple[SpecBatch, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        self._prefill: list[_PrefillJob] = []  # admitted sequences whose prompts are being read
+        self.prefill_chunk_size = prefill_chunk
 
     def start_prefill(self, seqs: list[Sequence]) -> None:
-        ids, mask = left_pad([s.prompt_ids for s in seqs], pad_id=0)  # as generate takes them
-        ids, mask = ids.to(self.device), mask.bool().to(self.device)
-        pos = prompt_positions(mask)
-        P = ids.shape[1]
-        job = SpecBatch(self.target, self.draft, self.B, self.max_capacity, self.runtime)
-        job.start(len(seqs), P + self.B)
-        self._prefill = (job, ids, pos, mask, 0)
+        """One prefill job per sequence: alone in its batch, unpadded, it is computed the same whatever else
+        joins with it (with the batch-invariant runtimes, a request's answer does not depend on who else is
+        being served)."""
+        for s in seqs:
+            ids = torch.tensor([s.prompt_ids], dtype=torch.long, device=self.device)
+            job = SpecBatch(self.target, self.draft, self.B, self.max_capacity, self.runtime)
+            job.start(1, ids.shape[1] + self.B)
+            self._prefill.append(_PrefillJob(s, job, ids))
 
-    def prefill_chunk(self, seqs: list[Sequence], budget: int) -> list[int] | None:
-        """Prefills the next chunk of the admitted prompts; when the last chunk is done, chooses each one's
-        first token, moves the rows into the running batch and returns those tokens."""
-        job, ids, pos, mask, done = self._prefill
-        n = max(1, budget // len(seqs))
-        end = min(ids.shape[1], done + n)
-        last_logits = job.extend(ids[:, done:end], pos[:, done:end], mask[:, done:end])
-        if end < ids.shape[1]:
-            self._prefill = (job, ids, pos, mask, end)
-            return None
-        self._prefill = None
-        first = _choose_per_row(last_logits, seqs)
-        self.batch.merge(job)
-        self.rows += seqs
-        self.anchor = torch.cat([self.anchor, first])
-        self.anchor_pos = torch.cat([self.anchor_pos, mask.sum(1)])
-        return first.tolist()
+    def prefill_chunk(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Prefills up to `budget` prompt tokens, job by job in admission order, each in chunks of the fixed size
+        `prefill_chunk` counted from its prompt's start (so a prompt's chunks, and their arithmetic, never depend
+        on the other jobs). A job whose prompt is done chooses its first token and its row joins the running
+        batch. Returns (sequence, first token) for those."""
+        done = []
+        while self._prefill and budget > 0:
+            p = self._prefill[0]
+            P = p.ids.shape[1]
+            end = min(P, p.done + self.prefill_chunk_size)
+            pos = torch.arange(p.done, end, device=self.device)[None]
+            logits = p.job.extend(p.ids[:, p.done:end], pos, torch.ones_like(pos, dtype=torch.bool))
+            budget -= end - p.done
+            p.done = end
+            if end < P:
+                continue
+            self._prefill.pop(0)
+            first = _choose_per_row(logits, [p.seq])
+            self.batch.merge(p.job)
+            self.rows.append(p.seq)
+            self.anchor = torch.cat([self.anchor, first])
+            self.anchor_pos = torch.cat([self.anchor_pos, pos[:, -1] + 1])
+            done.append((p.seq, int(first[0])))
+        return done
 
     def decode(self) -> tuple[list[list[int]], list[int]]:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
@@ -324,7 +343,7 @@ class LLMEngine:
         self.stop_token_ids = default_stop_token_ids(target)
         self.scheduler = Scheduler(config)
         self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens,
-                                  config.adaptive_width)
+                                  config.adaptive_width, config.prefill_tokens)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device
@@ -398,10 +417,9 @@ class LLMEngine:
             tokens, accepted = runner.decode()
             updates += [(s, t, a) for s, t, a in zip(runner.rows, tokens, accepted)]
         if sched.prefilling:
-            first = runner.prefill_chunk(sched.prefilling, self.config.prefill_tokens)
-            if first is not None:
-                updates += [(s, [t], None) for s, t in zip(sched.prefilling, first)]
-                sched.prefilled()
+            joined = runner.prefill_chunk(self.config.prefill_tokens)
+            updates += [(s, [t], None) for s, t in joined]
+            sched.prefilled([s for s, _ in joined])
         # postprocess
         finished = []
         for seq, toks, acc in updates:

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashConfigError
-from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, packable
+from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, int4_kernel, packable
 from .compiled import compile_frozen
 from .target import TargetAdapter, decoder_layers
 
@@ -131,7 +131,9 @@ class FastForward:
         self.gqa = self.num_kv_heads != self.num_heads
         self.embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
-        self.head_weight = _prepared(head.weight, quantize)
+        # a 4-bit model keeps its output layer at 8 bits, as 4-bit GGUF files store it (Q8_0 or Q6_K): the logits
+        # decide every token
+        self.head_weight = _prepared(head.weight, "int8" if quantize == "int4" else quantize)
         self.head_bias = getattr(head, "bias", None)
         inner = model.get_decoder()
         self.rotary = inner.rotary_emb
@@ -282,13 +284,32 @@ _FAST_RUNTIMES = ("fast", "fast-int8", "fast-int4")
 RUNTIMES = ("auto", *_FAST_RUNTIMES, *(f"{r}-compile" for r in _FAST_RUNTIMES), "hf")
 
 
+INT4_GRIDS = ("Q4_0", "Q4_1")  # GGUF weight types that the int4 runtime's layout holds exactly (w = q*scale + low)
+
+
+def resolve_runtime(model, runtime: str = "auto") -> str:
+    """The runtime `auto` stands for: a model shipped as a 4-bit GGUF (Q4_0, Q4_1), run in bf16 on a CPU where
+    dflash's int4 kernel works, runs 'fast-int4': the weights on the grid they were shipped on, as llama.cpp runs
+    them, and every product, attention and norm of a step batch-invariant, so DFlash output is plain decoding's
+    bit for bit. Any other model the lean path covers runs 'fast' in its own dtype; the rest 'hf'."""
+    if runtime != "auto":
+        return runtime
+    if fast_unsupported(model) is not None:
+        return "hf"
+    param = next(model.parameters())
+    if (param.device.type == "cpu" and param.dtype == torch.bfloat16 and
+            getattr(model.config, "dflash_gguf_weights", None) in INT4_GRIDS and int4_kernel()):
+        return "fast-int4"
+    return "fast"
+
+
 def make_adapter(model, layer_ids: list[int] | None, runtime: str = "auto") -> TargetAdapter:
     """The target adapter for `runtime`: 'fast' (the lean path), 'fast-int8' / 'fast-int4' (the lean path with
     weight-only quantised linear layers: a different target), any of these with '-compile' (its decode and
-    verify steps through torch.compile), 'hf' (the model's own forward) or 'auto' (fast when the model is one
-    it covers)."""
+    verify steps through torch.compile), 'hf' (the model's own forward) or 'auto' (see resolve_runtime)."""
     if runtime not in RUNTIMES:
         raise DFlashConfigError(f"unknown runtime {runtime!r} (choose from {', '.join(RUNTIMES)})")
+    runtime = resolve_runtime(model, runtime)
     compile = runtime.endswith("-compile")
     runtime = runtime.removesuffix("-compile")
     device = next(model.parameters()).device
@@ -297,7 +318,7 @@ def make_adapter(model, layer_ids: list[int] | None, runtime: str = "auto") -> T
                                 f"PyTorch's and dflash's CPU kernels); on {device.type} use runtime 'fast' or 'hf'")
     if runtime.startswith("fast-"):
         return FastTargetAdapter(model, layer_ids, quantize=runtime.removeprefix("fast-"), compile=compile)
-    if runtime == "fast" or (runtime == "auto" and fast_unsupported(model) is None):
+    if runtime == "fast":
         return FastTargetAdapter(model, layer_ids, compile=compile)
     return TargetAdapter(model, layer_ids)
 

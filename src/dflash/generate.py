@@ -17,6 +17,7 @@ import torch
 
 from .adaptive import WidthController
 from .batch import SpecBatch, prompt_positions
+from .fast import resolve_runtime
 from .errors import DFlashInputError
 from .model import DFlashDraftModel
 from .ngram import NgramDraft
@@ -35,6 +36,7 @@ class GenerationOutput:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     width_counts: list[int] | None = None  # adaptive width: steps verified at each width 0..B (index = width)
+    runtime: str = ""  # the target's forward that ran ('auto' resolved, see dflash.fast.resolve_runtime)
 
     @property
     def tau(self) -> float:
@@ -245,7 +247,8 @@ class _Generation:
                                 compactions=self.batch.compactions if self.max_new else 0,
                                 cache_growths=self.batch.growths if self.max_new else 0,
                                 time_to_first_token=self.ttft, total_time=self.total,
-                                width_counts=self.widths.width_counts if self.widths is not None else None)
+                                width_counts=self.widths.width_counts if self.widths is not None else None,
+                                runtime=resolve_runtime(self.target, self.runtime))
 
 
 def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tokens) -> int:

@@ -157,11 +157,41 @@ def _load_gguf(gguf_path: Path, dtype):
     return model, tokenizer
 
 
-def _local(name_or_path) -> tuple[str, str]:
+GGUF_RECORD = "dflash_gguf.json"  # beside a converted GGUF: what its weights were stored as
+
+
+def gguf_weight_type(gguf_path: str | os.PathLike) -> str | None:
+    """The quantisation most of a GGUF file's layer weights are stored in ("Q4_1", "Q8_0", "F16", ...)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    counts = Counter(t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _gguf_record(gguf_path: Path, folder: Path) -> dict:
+    """What the converted folder's GGUF stored (read from the file once, then kept beside the conversion)."""
+    import json
+
+    from .io import atomic_write_text
+
+    path = folder / GGUF_RECORD
+    if path.is_file():
+        return json.loads(path.read_text())
+    record = {"gguf": gguf_path.name, "weights": gguf_weight_type(gguf_path)}
+    atomic_write_text(path, json.dumps(record) + "\n")
+    return record
+
+
+def _local(name_or_path) -> tuple[str, str, dict | None]:
+    """(kind, folder or hub id, what a GGUF stored if the model came from one)."""
     kind, location = resolve(name_or_path)
     if kind == "gguf":
-        kind, location = "folder", str(convert_gguf(location))
-    return kind, location
+        folder = convert_gguf(location)
+        return "folder", str(folder), _gguf_record(Path(location), folder)
+    return kind, location, None
 
 
 def _load_error(name_or_path, kind, location, e: OSError) -> DFlashLoadError:
@@ -173,7 +203,7 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL):
     """The tokenizer alone (for work whose model runs elsewhere, e.g. behind --base-url)."""
     from transformers import AutoTokenizer
 
-    kind, location = _local(name_or_path)
+    kind, location, _ = _local(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(location)
     except OSError as e:
@@ -191,7 +221,7 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
     if device.type == "cpu":
         set_default_threads(threads)
     dtype = _resolve_dtype(dtype, device)
-    kind, location = _local(name_or_path)
+    kind, location, gguf = _local(name_or_path)
     # off the CPU the weights load straight onto the device (an 8B model would otherwise pass through host memory)
     placement = {} if device.type == "cpu" else {"device_map": str(device)}
     try:
@@ -201,6 +231,8 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype=None, 
         raise _load_error(name_or_path, kind, location, e) from None
     model = model.to(device).eval()
     model.requires_grad_(False)
+    if gguf is not None:  # the runtime `auto` runs a 4-bit GGUF on its own grid (dflash.fast.resolve_runtime)
+        model.config.dflash_gguf_weights = gguf["weights"]
     return model, tokenizer
 
 
