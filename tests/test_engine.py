@@ -194,3 +194,22 @@ def test_a_greedy_answer_does_not_depend_on_who_else_is_served(with_draft):
     while engine.has_work():
         engine.step()
     assert seq.output_ids == alone and all(s.output_ids for s in crowd)
+
+
+def test_a_kv_cache_budget_queues_sequences_and_refuses_one_that_can_never_fit():
+    target = tiny_target("qwen3", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    ps = prompts([6, 9, 4, 7, 5], seed=3)
+    free = LLMEngine(target, None, draft, EngineConfig(max_batch_size=8))
+    want = [s.output_ids for s in free.generate(ps, max_tokens=10)]
+    per_token = free.kv_bytes_per_token
+    # room for two sequences of at most 9 + 10 + 4 slots each (twice over, for growth and holes)
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=8, kv_cache_memory=2 * 2 * 23 * per_token))
+    seqs = [engine.add_request(p, max_tokens=10) for p in ps]
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, len(engine.scheduler.running) + len(engine.scheduler.prefilling))
+    assert most == 2 and [s.output_ids for s in seqs] == want
+    with pytest.raises(DFlashInputError, match=r"needs about .* MiB of KV cache alone; the server's budget"):
+        engine.add_request(list(range(3, 40)), max_tokens=30)

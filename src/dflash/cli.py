@@ -214,6 +214,9 @@ def _serve_options(p) -> None:
                    help="prompt tokens prefilled per step while others decode")
     p.add_argument("--max-verify-tokens", type=_int_at_least(1), default=64,
                    help="tokens verified per step over the batch: blocks narrow as more sequences run")
+    p.add_argument("--kv-cache-memory", type=_float_in(0, 1e6, lo_open=True), default=None,
+                   help="GiB the KV caches may take; requests wait for room, and one that can never fit gets a 400 "
+                   "(None = 90%% of the GPU's free memory, half the CPU's available memory)")
     _width_option(p)
     p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
     p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
@@ -511,7 +514,8 @@ def _engine(args):
     draft = None if args.no_draft else resolve_draft(args.model, args.draft, target)
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
                        max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime,
-                       max_verify_tokens=args.max_verify_tokens, adaptive_width=not args.fixed_width)
+                       max_verify_tokens=args.max_verify_tokens, adaptive_width=not args.fixed_width,
+                       kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

@@ -23,6 +23,7 @@ from .batch import SpecBatch
 from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
+from .machine import available_memory
 from .model import DFlashDraftModel
 from .sampling import SamplingParams, choose_tokens
 
@@ -49,6 +50,9 @@ class EngineConfig:
     # within that cap, verify only as many drafted tokens per row as the measured acceptance pays for (see
     # dflash.adaptive); off, every step verifies whole blocks up to the cap
     adaptive_width: bool = True
+    # bytes the KV caches (target and draft) may take; None: 90% of the GPU's free memory, half the CPU's
+    # available memory. Sequences wait for room rather than run the machine out of memory
+    kv_cache_memory: int | None = None
 
 
 class Status(Enum):
@@ -147,8 +151,12 @@ class Sequence:
 class Scheduler:
     """Decides, before every step, which sequences are prefilled and which decode. Thread-safe `add`."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_budget_tokens: int | None = None, block_size: int = 1):
         self.config = config
+        # cache slots the running rows may take in all: rows x the longest row, twice over for the storage's
+        # growth by doubling and the holes rejected drafts leave until a compaction
+        self.kv_budget_tokens = kv_budget_tokens
+        self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -187,17 +195,27 @@ class Scheduler:
             return []
         free = self.config.max_batch_size - len(self.running)
         picked, tokens = [], 0
+        longest = max((self.final_length(s) for s in self.running), default=0)
         with self.lock:
             while self.waiting and len(picked) < free:
                 n = self.waiting[0].num_prompt_tokens
                 if picked and tokens + n > self.config.prefill_tokens:
                     break
+                longest = max(longest, self.final_length(self.waiting[0]))
+                if not self.fits(len(self.running) + len(picked) + 1, longest):
+                    break  # it waits until finished sequences make room
                 picked.append(self.waiting.popleft())
                 tokens += n
         for s in picked:
             s.status = Status.PREFILLING
         self.prefilling = picked
         return picked
+
+    def final_length(self, seq: Sequence) -> int:
+        return seq.num_prompt_tokens + seq.max_tokens + self.block_size
+
+    def fits(self, rows: int, longest: int) -> bool:
+        return self.kv_budget_tokens is None or 2 * rows * longest <= self.kv_budget_tokens
 
     def prefilled(self, seqs: list[Sequence]) -> None:
         for s in seqs:
@@ -320,6 +338,23 @@ class ModelRunner:
         self.rows = [self.rows[r] for r in keep]
 
 
+def kv_bytes_per_token(target, draft: DFlashDraftModel | None, runtime: str) -> int:
+    """Bytes one cache slot of one row takes: the target's keys and values in every layer (fp32 on a CPU whose
+    fast runtime attends by SDPA, see dflash.fast), and the draft's."""
+    from .fast import make_adapter
+
+    tc = target.config.get_text_config()
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    adapter = make_adapter(target, None, runtime)
+    dtype = getattr(getattr(adapter, "fast", None), "attn_dtype", next(target.parameters()).dtype)
+    total = tc.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+    if draft is not None:
+        c = draft.config
+        total += c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * draft.fc.weight.dtype.itemsize
+    return total
+
+
 class LLMEngine:
     """Accepts requests from any thread; `step()` (one thread) advances every sequence by one DFlash step."""
 
@@ -341,7 +376,14 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.block_size = B
         self.stop_token_ids = default_stop_token_ids(target)
-        self.scheduler = Scheduler(config)
+        self.kv_bytes_per_token = kv_bytes_per_token(target, draft, config.runtime)
+        budget = config.kv_cache_memory
+        if budget is None:
+            device = next(target.parameters()).device
+            free = available_memory(device)
+            budget = None if free is None else int(free * (0.9 if device.type == "cuda" else 0.5))
+        self.kv_cache_memory = budget
+        self.scheduler = Scheduler(config, None if budget is None else budget // self.kv_bytes_per_token, B)
         self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens,
                                   config.adaptive_width, config.prefill_tokens)
         self.wakeup = threading.Event()
@@ -366,6 +408,11 @@ class LLMEngine:
         elif max_tokens > room:
             raise DFlashInputError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                                    f"has {n} and max_tokens asks for {max_tokens} more")
+        if not self.scheduler.fits(1, n + max_tokens + self.block_size):
+            need = 2 * (n + max_tokens + self.block_size) * self.kv_bytes_per_token
+            raise DFlashInputError(f"this request ({n} prompt tokens + max_tokens={max_tokens}) needs about "
+                                   f"{need / 2**20:.0f} MiB of KV cache alone; the server's budget "
+                                   f"(--kv-cache-memory) is {self.kv_cache_memory / 2**20:.0f} MiB")
         vocab = self.target.get_input_embeddings().weight.shape[0]
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise DFlashInputError(f"prompt token ids must be in [0, {vocab})")

@@ -99,6 +99,19 @@ def set_default_threads(threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def available_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes free for new tensors: the GPU's free memory, or the system's MemAvailable; None where unknown."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kb * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
