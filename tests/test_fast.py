@@ -302,3 +302,16 @@ def test_attention_with_and_without_dflashs_kernel(kernel, monkeypatch):
     draft = DFlashDraftModel.from_target(bf16, num_layers=1, block_size=4)
     assert torch.equal(spec_generate(bf16, draft, ids, mask, runtime="fast", **kw),
                        ar_generate(bf16, ids, mask, runtime="fast", **kw))
+
+
+def test_the_gpu_attention_path_expanding_key_value_heads_computes_the_same():
+    # on a GPU the fast forward expands the key/value heads for SDPA (its fused kernels take an explicit mask only
+    # without enable_gqa); the same forward on the CPU gives the same tokens and logits within fp32 rounding
+    ids, mask = ragged_batch([7, 12], seed=2)
+    kw = dict(max_new_tokens=8, stop_token_ids=[])
+    for expand in (False, True):
+        target = tiny_target("qwen2", seed=9)
+        ff = fast.fast_forward(target)
+        ff.expand_kv, ff.cache_kernel = expand, False  # SDPA for every step, as on a GPU
+        out = ar_generate(target, ids, mask, runtime="fast", **kw)
+        assert torch.equal(out, ar_generate(target, ids, mask, runtime="hf", **kw)), expand

@@ -104,6 +104,7 @@ def test_dense_reference_mask_which_keys_each_block_query_sees():
 
 
 @pytest.mark.parametrize("arch,sliding", [("qwen3", False), ("llama", True)])
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_block_sparse_training_attention_equals_the_dense_mask(arch, sliding):
     # every answer position an anchor, blocks overlapping each other and running past the end; with sliding-window
     # layers (window shorter than the context) too. Values and gradients agree
@@ -118,6 +119,14 @@ def test_block_sparse_training_attention_equals_the_dense_mask(arch, sliding):
     anchors = torch.arange(1, 22)
     step = DFlashTrainStep(draft, 3.0)
     grads = []
+    B = draft.config.block_size
+
+    def flex_hidden():  # the GPU's path (flex attention), here in its unfused eager form
+        block_ids, block_pos, _ = block_inputs(ids, torch.ones_like(ids), anchors, B, draft.config.mask_token_id)
+        ctx_pos = torch.arange(len(ids))
+        ctx_kv = [(k[0], v[0]) for k, v in draft.context_kv(feats[None], ctx_pos[None])]
+        return draft.run_blocks(draft.embed_tokens(block_ids.view(-1, B)), block_pos.view(-1, B), ctx_kv, anchors,
+                                ctx_pos, flex=True)
     for f in (lambda: step.block_hidden(feats, ids, anchors), lambda: dense_block_hidden(draft, feats, ids, anchors)):
         draft.zero_grad()
         h = f()
@@ -127,6 +136,8 @@ def test_block_sparse_training_attention_equals_the_dense_mask(arch, sliding):
     assert torch.allclose(sparse, dense, atol=1e-5)
     for a, b in zip(g_sparse, g_dense):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    with torch.no_grad():  # PyTorch's flex attention has no backward on the CPU; scripts/gpu_check.sh checks it
+        assert torch.allclose(flex_hidden(), dense, atol=1e-5)
 
 
 def test_packed_training_forward_equals_inference_forward():
@@ -172,6 +183,27 @@ def test_draft_vocabulary_loss():
         ce = torch.nn.functional.cross_entropy(logits, labels[inside] - 3, reduction="none")
         w = step.weights.expand_as(labels)[inside]
         assert torch.allclose(part, (ce * w).sum() / w.sum(), atol=1e-5)
+
+
+def test_a_large_head_loss_goes_in_chunks_with_the_same_value_and_gradient(monkeypatch):
+    # the logits of many rows over a large vocabulary are made a chunk at a time, again in backward
+    from dflash import model as model_mod
+
+    target = tiny_target("llama", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1))
+    feats = target_features(target, [0, 2], ids)
+    step = DFlashTrainStep(draft, 3.0)
+    results = []
+    for at_once in (model_mod.LOGITS_AT_ONCE, 96 * 7):  # all rows at once; 7 rows a chunk
+        monkeypatch.setattr(model_mod, "LOGITS_AT_ONCE", at_once)
+        draft.zero_grad()
+        loss, (correct, counted) = step(feats, ids, torch.ones(40, dtype=torch.long), torch.arange(2, 38, 3))
+        loss.backward()
+        results.append((loss.detach(), correct, [p.grad.clone() for p in draft.parameters()]))
+    (a, ca, ga), (b, cb, gb) = results
+    assert torch.allclose(a, b, atol=1e-6) and torch.equal(ca, cb)
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(ga, gb))
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,10 @@ class FastForward:
         # same way whatever else is in the step. Without it, PyTorch's bf16/fp16 attention for a few queries over a
         # long cache is several times slower than fp32, so the cache then holds fp32.
         self.cache_kernel = on_cpu and self.head_dim % 16 == 0 and cache_attention_kernel()
+        # on a GPU, SDPA with an explicit mask and enable_gqa falls back to its unfused math kernel (all scores in
+        # memory: ~34 GB a layer for a 16k-token prompt of an 8B model); with the key/value heads expanded to the
+        # query heads it runs the fused memory-efficient kernel
+        self.expand_kv = not on_cpu and self.gqa
         self.attn_dtype = dtype if (self.cache_kernel or not on_cpu) else torch.float32
         # Kernels made for the few rows of a step can be slow for a prompt's hundreds. Where the CPU has no
         # bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's fallback costs about
@@ -251,9 +255,11 @@ class FastForward:
                 o = torch.ops.dflash_attn.cache_attention(qs.float(), keys[:, :, :end], values[:, :, :end],
                                                           visible[:, 0], self.scaling)
             else:
-                o = F.scaled_dot_product_attention(qs.to(sdpa_dtype), keys[:, :, :end].to(sdpa_dtype),
-                                                   values[:, :, :end].to(sdpa_dtype), attn_mask=mask,
-                                                   scale=self.scaling, enable_gqa=self.gqa)
+                ks, vs = keys[:, :, :end].to(sdpa_dtype), values[:, :, :end].to(sdpa_dtype)
+                if self.expand_kv:
+                    ks, vs = ks.repeat_interleave(nh // nkv, 1), vs.repeat_interleave(nh // nkv, 1)
+                o = F.scaled_dot_product_attention(qs.to(sdpa_dtype), ks, vs, attn_mask=mask, scale=self.scaling,
+                                                   enable_gqa=self.gqa and not self.expand_kv)
             x = x + mm(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, L.parts[1])
             gate, lift = mm(_norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
             x = x + mm(F.silu(gate) * lift, L.wdown, L.bdown, L.parts[3])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -116,19 +117,25 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.kv(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        gqa = self.num_kv_heads != self.num_heads
+        if gqa and q.is_cuda:  # with a mask, SDPA's GQA falls back to its unfused kernel on a GPU (see dflash.fast)
+            k, v = (t.repeat_interleave(self.num_heads // self.num_kv_heads, 1) for t in (k, v))
+            gqa = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, Q, -1))
 
-    def forward_blocks(self, x, rope_x, ctx_k, ctx_v, ctx_bias, blk_bias):
+    def forward_blocks(self, x, rope_x, ctx_k, ctx_v, mask):
         """Training: n packed blocks of one sequence (see block_sparse_attention). x: [n, B, H];
-        ctx_k/ctx_v: [kv_heads, T, head_dim]; rope_x: cos/sin [n, B, head_dim]."""
+        ctx_k/ctx_v: [kv_heads, T, head_dim]; rope_x: cos/sin [n, B, head_dim]; mask: from block_masks."""
         n, B, _ = x.shape
         cos, sin = rope_x
         q = apply_rope(self.q_norm(self.q_proj(x).view(n, B, self.num_heads, self.head_dim)).transpose(1, 2), cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)  # [n, kv_heads, B, head_dim]
-        out = block_sparse_attention(q.transpose(0, 1), ctx_k, ctx_v, k_blk.transpose(0, 1), v_blk.transpose(0, 1),
-                                     ctx_bias, blk_bias, self.scaling)  # [h, n, B, d]
+        args = (q.transpose(0, 1), ctx_k, ctx_v, k_blk.transpose(0, 1), v_blk.transpose(0, 1))
+        if isinstance(mask, tuple):
+            out = block_sparse_attention(*args, *mask, self.scaling)  # [h, n, B, d]
+        else:
+            out = flex_block_attention(*args, mask, self.scaling)
         return self.o_proj(out.permute(1, 2, 0, 3).reshape(n, B, -1))
 
 
@@ -148,6 +155,58 @@ def block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_bias, blk_bias, sc
     p_ctx, p_blk = p.split([T, B], -1)
     out = torch.bmm(p_ctx.reshape(kv, -1, T), v_ctx).view(kv, h // kv, n, B, d) + torch.matmul(p_blk, v_blk[:, None])
     return out.view(h, n, B, d)
+
+
+def block_masks(anchors, ctx_pos, x_pos, window: int | None, dtype, flex: bool):
+    """What a layer's training attention over n packed blocks needs: block i sees the context before anchors[i]
+    and its own block (sliding-window layers: only keys less than a window behind, causal in the block).
+    anchors [n]; ctx_pos [T]; x_pos [n, B]. Additive biases for block_sparse_attention, or flex: a BlockMask."""
+    n, B = x_pos.shape
+    T = ctx_pos.shape[0]
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q_pos, key_pos = x_pos.reshape(-1), torch.cat([ctx_pos, x_pos.reshape(-1)])
+
+        def visible(b, h, qi, ki):
+            block = qi // B
+            ok = torch.where(ki < T, key_pos[ki] < anchors[block], (ki - T) // B == block)
+            if window is not None:
+                dist = q_pos[qi] - key_pos[ki]
+                ok = ok & (dist >= 0) & (dist < window)
+            return ok
+        return create_block_mask(visible, None, None, n * B, T + n * B, device=x_pos.device)
+    ctx_ok = ctx_pos[None, None, :] < anchors[:, None, None]  # [n, 1, T]
+    blk_ok = torch.ones(B, B, dtype=torch.bool, device=x_pos.device)
+    if window is not None:
+        dist = x_pos[:, :, None] - ctx_pos[None, None, :]  # [n, B, T]
+        ctx_ok = ctx_ok & (dist >= 0) & (dist < window)
+        dist = x_pos[0, :, None] - x_pos[0, None, :]
+        blk_ok = (dist >= 0) & (dist < window)
+    return tuple(torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+                 for m in (ctx_ok, blk_ok))
+
+
+def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, block_mask, scale: float) -> torch.Tensor:
+    """block_sparse_attention through PyTorch's flex attention, the training path on a GPU: one fused kernel that
+    skips the masked tiles and never holds the scores (at the published scale, 512 anchors x 16 slots over ~11k
+    keys, the scores alone would be ~12 GB per layer kept for backward). Shapes as block_sparse_attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    h, n, B, d = q.shape
+    kv = k_ctx.shape[0]
+    k = torch.cat([k_ctx, k_blk.reshape(kv, n * B, d)], 1)[None]
+    v = torch.cat([v_ctx, v_blk.reshape(kv, n * B, d)], 1)[None]
+    attend = _compiled_flex() if q.is_cuda else flex_attention
+    out = attend(q.reshape(1, h, n * B, d), k, v, block_mask=block_mask, scale=scale, enable_gqa=kv != h)
+    return out.view(h, n, B, d)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def block_attention_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -418,26 +477,19 @@ class DFlashDraftModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
-    def run_blocks(self, x, x_pos, ctx_kv, anchors, ctx_pos) -> torch.Tensor:
+    def run_blocks(self, x, x_pos, ctx_kv, anchors, ctx_pos, flex: bool | None = None) -> torch.Tensor:
         """Training: the decoder stack over n packed blocks x [n, B, H] at positions x_pos [n, B], block i seeing
         the context before anchors[i] and its own block (block_sparse_attention); ctx_kv[i]: layer i's context
         keys/values [kv_heads, T, head_dim] at positions ctx_pos [T]. Sliding-window layers also see only keys
-        less than a window behind, as at inference."""
+        less than a window behind, as at inference. flex: through flex attention (None: on a GPU)."""
+        flex = x.is_cuda if flex is None else flex
         rope_x = self.rotary_emb(x, x_pos)
-        biases = {}
+        masks = {}
         for layer, (k, v) in zip(self.layers, ctx_kv):
             window = layer.self_attn.sliding_window
-            if window not in biases:
-                ctx_ok = ctx_pos[None, None, :] < anchors[:, None, None]  # [n, 1, T]
-                blk_ok = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device)
-                if window is not None:
-                    dist = x_pos[:, :, None] - ctx_pos[None, None, :]  # [n, B, T]
-                    ctx_ok = ctx_ok & (dist >= 0) & (dist < window)
-                    dist = x_pos[0, :, None] - x_pos[0, None, :]
-                    blk_ok = (dist >= 0) & (dist < window)
-                biases[window] = tuple(torch.zeros(m.shape, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf"))
-                                       for m in (ctx_ok, blk_ok))
-            x = x + layer.self_attn.forward_blocks(layer.input_layernorm(x), rope_x, k, v, *biases[window])
+            if window not in masks:
+                masks[window] = block_masks(anchors, ctx_pos, x_pos, window, x.dtype, flex)
+            x = x + layer.self_attn.forward_blocks(layer.input_layernorm(x), rope_x, k, v, masks[window])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -514,7 +566,7 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     counted = labels != -100
     if d.draft_vocab is None:
         keep = counted
-        logits = d.lm_head(hidden[keep].to(d.lm_head.weight.dtype)).float()
+        weight, bias = d.lm_head.weight, getattr(d.lm_head, "bias", None)
     else:
         # a draft vocabulary: logits over its rows only (6x less LM-head work at 8k of 49k); a label outside
         # it can never be proposed, so it counts as a miss and adds no loss
@@ -523,15 +575,40 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
         index[rows.to(labels.device)] = torch.arange(len(rows), device=labels.device)
         labels = torch.where(counted, index[labels.clamp(min=0)], -100)
         keep = labels >= 0
-        logits = F.linear(hidden[keep].to(weight.dtype), weight, bias).float()
     w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
     w = w[keep]
-    ce = F.cross_entropy(logits, labels[keep], reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-9)
-    with torch.no_grad():
-        correct = torch.zeros_like(labels, dtype=torch.float32)
-        correct[keep] = (logits.argmax(-1) == labels[keep]).float()
+    ce_sum, predicted = _weighted_ce(hidden[keep].to(weight.dtype), weight, bias, labels[keep], w)
+    loss = ce_sum / w.sum().clamp(min=1e-9)
+    correct = torch.zeros_like(labels, dtype=torch.float32)
+    correct[keep] = (predicted == labels[keep]).float()
     return loss, correct
+
+
+LOGITS_AT_ONCE = 1 << 25  # logits (rows x vocabulary) made at once by the training loss: 128 MB in fp32
+
+
+def _ce_rows(h, weight, bias, labels, w):
+    logits = F.linear(h, weight, bias).float()
+    ce = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
+    return ce, logits.argmax(-1)
+
+
+def _weighted_ce(h, weight, bias, labels, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * CE) and the argmax predictions of rows h [N, H] against the head. Past LOGITS_AT_ONCE logits the
+    rows go in chunks whose logits are made again in backward instead of kept (a full-vocabulary head over the
+    published recipe's 7.7k block positions would hold ~4.7 GB of logits)."""
+    from torch.utils.checkpoint import checkpoint
+
+    chunk = max(1, LOGITS_AT_ONCE // weight.shape[0])
+    if h.shape[0] <= chunk or not torch.is_grad_enabled():
+        return _ce_rows(h, weight, bias, labels, w)
+    total, predicted = h.new_zeros((), dtype=torch.float32), []
+    for i in range(0, h.shape[0], chunk):
+        ce, p = checkpoint(_ce_rows, h[i:i + chunk], weight, bias, labels[i:i + chunk], w[i:i + chunk],
+                           use_reentrant=False)
+        total = total + ce
+        predicted.append(p)
+    return total, torch.cat(predicted)
 
 
 def check_fits(config: DFlashConfig, target) -> None:
