@@ -68,7 +68,7 @@ def test_the_cost_model_prices_the_drafts_own_forward():
     ctrl = WidthController(8)
 
     def known_rates():  # slot 1 right 30% of the time, the rest never
-        ctrl.reached[:], ctrl.hit[:] = 1000.0, 0.0
+        ctrl.reached[:], ctrl.hit[:] = [1000.0] * 8, [0.0] * 8
         ctrl.hit[1] = 300.0
 
     for _ in range(10):

@@ -22,10 +22,13 @@ keeps the output exact: the verify rule does not depend on how many proposals ar
 
 from __future__ import annotations
 
-import torch
+import itertools
 
 
 class WidthController:
+    """Plain Python numbers throughout: a few dozen of them per step, where tensor ops would cost more to launch
+    than to compute (and the host's time is the step's time on a GPU)."""
+
     def __init__(self, block_size: int, *, prior_rate: float = 0.5, prior_weight: float = 4.0,
                  decay: float = 0.98, probe_every: int = 16, max_probe_every: int = 256):
         self.B = block_size
@@ -34,8 +37,8 @@ class WidthController:
         self.max_probe_every = max_probe_every
         self.since_probe = 0
         self.probed_from: int | None = None  # the width chosen before the last probe widened it
-        self.reached = torch.zeros(block_size, dtype=torch.float64)  # [B] index k: slot k verified after 1..k-1 hit
-        self.hit = torch.zeros(block_size, dtype=torch.float64)
+        self.reached = [0.0] * block_size  # index k: slot k verified after 1..k-1 hit
+        self.hit = [0.0] * block_size
         self.cost: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [EMA seconds, weight]
         self.last = None
         self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
@@ -43,50 +46,47 @@ class WidthController:
     # ---- what was measured -----------------------------------------------------------------------------
     def observe(self, accepted: list[int], width: int, tokens: int, seconds: float) -> None:
         """One step: accepted drafts per row (0..width-1), its width, the tokens it verified, its seconds."""
-        self.reached *= self.decay
-        self.hit *= self.decay
-        a = torch.tensor(accepted, dtype=torch.float64)[:, None]
-        k = torch.arange(self.B, dtype=torch.float64)
+        # rows with at least m drafts accepted, m = 0..B
+        at_least = [0] * (self.B + 1)
+        for a in accepted:
+            at_least[min(a, self.B)] += 1
+        at_least = list(itertools.accumulate(reversed(at_least)))[::-1]
         # slot k was verified when slots 1..k-1 were accepted and k < width; it was accepted when a >= k
-        self.reached += ((a >= k - 1) & (k >= 1) & (k < width)).sum(0)
-        self.hit += ((a >= k) & (k >= 1)).sum(0)
+        for k in range(self.B):
+            self.reached[k] = self.reached[k] * self.decay + (at_least[k - 1] if 1 <= k < width else 0)
+            self.hit[k] = self.hit[k] * self.decay + (at_least[k] if k >= 1 else 0)
         for entry in self.cost.values():
             entry[1] *= self.decay
         entry = self.cost.setdefault((tokens // width, width), [seconds, 0.0])
         entry[0] += 0.3 * (seconds - entry[0])
         entry[1] += 1.0
 
-    def slot_rates(self) -> torch.Tensor:
+    def slot_rates(self) -> list[float]:
         """[B-1] chance that slot k is accepted given slots 1..k-1 were, each smoothed toward the slot before it
         (slot 1 toward `prior_rate`): far slots are reached rarely, and a fixed optimistic prior would keep
         them looking better than they are."""
         rates, prior = [], self.prior_rate
-        for hit, reached in zip(self.hit[1:].tolist(), self.reached[1:].tolist()):
+        for hit, reached in zip(self.hit[1:], self.reached[1:]):
             prior = (hit + prior * self.prior_weight) / (reached + self.prior_weight)
             rates.append(prior)
-        return torch.tensor(rates, dtype=torch.float64)
+        return rates
 
-    def expected_tokens(self) -> torch.Tensor:
+    def expected_tokens(self) -> list[float]:
         """[B] tokens a row commits per step at width w = 1..B: 1 + the sum over k < w of P(slots 1..k hit)."""
-        reach = torch.cumprod(self.slot_rates(), 0)
-        return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(reach, 0)])
+        reach = list(itertools.accumulate(self.slot_rates(), lambda x, y: x * y))
+        return [1.0] + [1.0 + r for r in itertools.accumulate(reach)]
 
     def step_seconds(self) -> tuple[float, float, float] | None:
         """(a, b, c) of seconds = a + b x tokens + c x (drafts were made), weighted least squares over the
         measured step shapes: c is the draft's own forward, which a plain step skips (0 until the measured
         shapes can tell it from the verify cost). None: fewer than two token counts measured yet."""
-        shapes = list(self.cost)
-        t = torch.tensor([r * w for r, w in shapes], dtype=torch.float64)
-        if len(t.unique()) < 2:
+        rows = [(1.0, float(r * w), float(w > 1), v[0], max(v[1], 1e-6)) for (r, w), v in self.cost.items()]
+        if len({x[1] for x in rows}) < 2:
             return None
-        drafted = torch.tensor([float(w > 1) for _, w in shapes], dtype=torch.float64)
-        s = torch.tensor([v[0] for v in self.cost.values()], dtype=torch.float64)
-        sw = torch.tensor([v[1] for v in self.cost.values()], dtype=torch.float64).clamp(min=1e-6).sqrt()
-        x = torch.stack([torch.ones_like(t), t, drafted], 1)
-        if torch.linalg.matrix_rank(x) < 3:  # the shapes so far cannot tell the draft's cost from the verify's
-            x = x[:, :2]
-        coef = torch.linalg.lstsq(x * sw[:, None], (s * sw)[:, None]).solution[:, 0].tolist()
-        a, b, c = coef + [0.0] * (3 - len(coef))
+        coef = _weighted_least_squares([x[:3] for x in rows], [x[3] for x in rows], [x[4] for x in rows])
+        if coef is None:  # the shapes so far cannot tell the draft's cost from the verify's
+            coef = _weighted_least_squares([x[:2] for x in rows], [x[3] for x in rows], [x[4] for x in rows]) + [0.0]
+        a, b, c = coef
         # noise must not make a wider block, or drafting, look cheaper than plain decoding
         return max(a, 1e-9), max(b, 0.0), max(c, 0.0)
 
@@ -108,10 +108,9 @@ class WidthController:
             w = 1 if self.last is not None and self.last > 1 else min(2, cap)
         else:
             a, b, c = fit
-            seconds = torch.tensor([self._measured(rows, w) or a + b * rows * w + c * (w > 1)
-                                    for w in range(1, cap + 1)], dtype=torch.float64)
-            rate = rows * self.expected_tokens()[:cap] / seconds
-            w = int(rate.argmax()) + 1
+            seconds = [self._measured(rows, w) or a + b * rows * w + c * (w > 1) for w in range(1, cap + 1)]
+            rate = [rows * e / t for e, t in zip(self.expected_tokens()[:cap], seconds)]
+            w = rate.index(max(rate)) + 1
             if self.probed_from is not None:  # the step after a probe
                 # a probe that widened the choice found more to gain: look further soon; one that changed
                 # nothing is worth less often, since its wide step costs the most when many rows share it
@@ -130,3 +129,22 @@ class WidthController:
         self.last = w
         self.width_counts[w] += 1
         return w
+
+
+def _weighted_least_squares(x: list[tuple[float, ...]], y: list[float], w: list[float]) -> list[float] | None:
+    """argmin over beta of sum w (x.beta - y)^2, by the normal equations (Gaussian elimination with pivoting);
+    None where they are singular (the columns of x cannot be told apart)."""
+    n = len(x[0])
+    a = [[sum(wi * xi[r] * xi[c] for xi, wi in zip(x, w)) for c in range(n)] +
+         [sum(wi * xi[r] * yi for xi, yi, wi in zip(x, y, w))] for r in range(n)]
+    scale = max(abs(v) for row in a for v in row[:n]) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * p for v, p in zip(a[r], a[col])]
+    return [a[r][n] / a[r][r] for r in range(n)]

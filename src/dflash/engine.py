@@ -321,11 +321,13 @@ class ModelRunner:
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
-        n_list = n_keep.tolist()
+        L, q = choice.shape
+        host = torch.cat([n_keep, choice.reshape(-1)]).tolist()  # the step's one read back to the host
+        n_list, tokens = host[:L], host[L:]
         self.batch.commit(n_keep, max(n_list))
         if adaptive:
-            self.widths.observe([n - 1 for n in n_list], width, len(n_list) * width, time.perf_counter() - t0)
-        return [row[:n] for row, n in zip(choice.tolist(), n_list)], n_list
+            self.widths.observe([n - 1 for n in n_list], width, L * width, time.perf_counter() - t0)
+        return [tokens[i * q:i * q + n] for i, n in enumerate(n_list)], n_list
 
     def remove(self, seqs: list[Sequence]) -> None:
         gone = {id(s) for s in seqs}

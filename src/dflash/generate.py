@@ -203,37 +203,45 @@ class _Generation:
             self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
 
         j = torch.arange(self.B, device=self.device)
-        n_done = int(done.sum())
-        while n_done < len(live):
-            if n_done >= max(1, len(live) // 8):
+        live_rows = list(range(b))  # the host's copy of `live`
+        done_rows = done.tolist()  # and of `done`, as of the last step
+        n_done = sum(done_rows)
+        while n_done < len(live_rows):
+            if n_done >= max(1, len(live_rows) // 8):
                 # retire finished rows so the batch stops paying for them (one copy of the caches)
-                keep = (~done).nonzero().flatten()
+                keep_rows = [i for i, d in enumerate(done_rows) if not d]
+                keep = torch.tensor(keep_rows, device=self.device)
                 live, done, anchor_pos = live[keep], done[keep], anchor_pos[keep]
+                live_rows = [live_rows[i] for i in keep_rows]
                 batch.select_rows(keep)
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
             histories = None
-            if batch.ngram is not None:
-                histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live.tolist(), n_gen.tolist())]
+            if batch.ngram is not None:  # n-gram lookups run on the host
+                histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
             t_step = time.perf_counter()
-            width = self.widths.choose(len(live)) if self.widths is not None else None
+            width = self.widths.choose(len(live_rows)) if self.widths is not None else None
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
                                           histories, width)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
-            advance, n_done, acc = (torch.stack([n_take.max(), done.sum()]).tolist()
-                                    + [(accepted + 1)[active].tolist()])
+            # the step's one read back to the host (on a GPU, its one synchronisation): what each row commits
+            L, q = len(live_rows), choice.shape[1]
+            host = torch.cat([n_take, accepted + 1, done.long(), active.long(), choice.reshape(-1)]).tolist()
+            n_rows, done_rows, tokens = host[:L], host[2 * L:3 * L], host[4 * L:]
+            acc = [a for a, on in zip(host[L:2 * L], host[3 * L:4 * L]) if on]
+            n_done = sum(done_rows)
             # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
-            batch.commit(n_take, advance)
+            batch.commit(n_take, max(n_rows))
             if self.widths is not None:
-                self.widths.observe([a - 1 for a in acc], width, len(live) * width, time.perf_counter() - t_step)
+                self.widths.observe([a - 1 for a in acc], width, L * width, time.perf_counter() - t_step)
             self.acceptance += acc
             self.num_steps += 1
             step = [[] for _ in range(b)]
-            for r, row, n in zip(live.tolist(), choice.tolist(), n_take.tolist()):
-                step[r] = row[:n]
+            for i, (r, n) in enumerate(zip(live_rows, n_rows)):
+                step[r] = tokens[i * q:i * q + n]
             yield step
         _sync(self.device)
         self.total = time.perf_counter() - t0
