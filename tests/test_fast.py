@@ -315,3 +315,30 @@ def test_the_gpu_attention_path_expanding_key_value_heads_computes_the_same():
         ff.expand_kv, ff.cache_kernel = expand, False  # SDPA for every step, as on a GPU
         out = ar_generate(target, ids, mask, runtime="fast", **kw)
         assert torch.equal(out, ar_generate(target, ids, mask, runtime="hf", **kw)), expand
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=needs_attention_kernel), "torch"])
+def test_the_cuda_graph_step_form_computes_what_the_step_does(kernel, monkeypatch):
+    # on a GPU, compiled steps run as CUDA graphs, whose shapes must not move with the pointer: new keys go to
+    # the slots of a tensor and attention reads the whole storage. On the CPU that form gives the same logits
+    monkeypatch.setenv("DFLASH_ATTENTION_KERNEL", kernel)
+    target = tiny_target("qwen3", seed=5)
+    ids, mask = ragged_batch([6, 3], seed=4)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    block = torch.tensor([[7, 8, 9], [10, 11, 12]])
+    out = []
+    for graph_form in (False, True):
+        a = make_adapter(target, [0, 2], "fast")
+        a.reset(2, 24)
+        with torch.inference_mode():
+            a.forward(ids, pos, capture=False, slot_valid=mask.bool(), logits_to_keep=1)
+            p = a.pointer
+            a.valid[:, p:p + 3] = True
+            args = (block, pos[:, -1:] + 1 + torch.arange(3), a.cache, a.valid, p, [0, 2], 0)
+            if graph_form:
+                logits, taps = a.fast._forward(*args[:4], 0, *args[5:], p + torch.arange(3))
+            else:
+                logits, taps = a.fast._forward(*args)
+        out.append((logits, taps[2], a.cache.layers[1].keys.clone()))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5) and torch.allclose(out[0][1], out[1][1], atol=1e-5)
+    assert torch.allclose(out[0][2], out[1][2], atol=1e-5)  # the same cache writes

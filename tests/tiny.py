@@ -1,8 +1,13 @@
-"""Tiny random targets of several architectures, built in-process (no network)."""
+"""Tiny random targets of several architectures, built in-process (no network). DFLASH_TEST_DEVICE=cuda puts
+them on a GPU (scripts/gpu_check.sh runs the lossless and sampling tests that way)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+DEVICE = os.environ.get("DFLASH_TEST_DEVICE", "cpu")
 
 VOCAB = 96
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
@@ -35,7 +40,7 @@ def tiny_target(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: 
     torch.manual_seed(seed)
     cfg = tiny_config(arch, vocab, layers)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").eval()
-    return model
+    return model.to(DEVICE)
 
 
 def ragged_batch(lengths, vocab: int = VOCAB, seed: int = 0, pad_id: int = 0):
@@ -54,8 +59,9 @@ def ragged_batch(lengths, vocab: int = VOCAB, seed: int = 0, pad_id: int = 0):
 def reference_greedy(target, prompt: torch.Tensor, max_new_tokens: int, stop_token_ids=()):
     """The target's own greedy continuation of one unpadded prompt, by HF `generate`, and the smallest
     top-1/top-2 logit gap met on the way (how far float noise is from flipping an argmax)."""
-    out = target.generate(prompt[None], max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=list(stop_token_ids) or None, pad_token_id=0)
+    out = target.generate(prompt[None].to(target.device), max_new_tokens=max_new_tokens, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True,
+                          eos_token_id=list(stop_token_ids) or None, pad_token_id=0)
     new = out.sequences[0, prompt.shape[0]:].tolist()
     gaps = [float(l[0].topk(2).values[0] - l[0].topk(2).values[1]) for l in out.logits]
     if stop_token_ids:

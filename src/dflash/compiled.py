@@ -60,14 +60,18 @@ def _guards_off_self(entries) -> list[bool]:
     return [not e.name.startswith(("self.", "self[")) for e in entries]
 
 
-def compile_frozen(method, state):
+def compile_frozen(method, state, cuda_graphs: bool = False):
     """torch.compile(method, dynamic=True) for a bound method whose object holds the tensors of `state`
     (see the module doc). Inductor keeps compiled code on disk under DFLASH_HOME unless
-    TORCHINDUCTOR_CACHE_DIR says otherwise, so a later process only traces again."""
+    TORCHINDUCTOR_CACHE_DIR says otherwise, so a later process only traces again. cuda_graphs: static shapes,
+    each graph replayed as a CUDA graph (inductor's cudagraph trees, as mode="reduce-overhead")."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dflash_home() / "inductor"))
     for t in tensors_of(state):
         torch._dynamo.mark_static(t)
-    compiled = torch.compile(_own_copy(method), dynamic=True, options={"guard_filter_fn": _guards_off_self})
+    options = {"guard_filter_fn": _guards_off_self}
+    if cuda_graphs:
+        options["triton.cudagraphs"] = True
+    compiled = torch.compile(_own_copy(method), dynamic=not cuda_graphs, options=options)
 
     def call(*args, **kwargs):
         # read when dynamo traces; set around every call, as tracing starts inside one (a few µs)

@@ -163,17 +163,22 @@ class FastForward:
         half = on_cpu and dtype in (torch.bfloat16, torch.float16)
         self.upcast = half and not packable(model.get_output_embeddings().weight)
         self.dense_rows = PROMPT_DENSE_ROWS if (quantize is not None or self.upcast) else None
-        self._compiled = None
+        self._compiled = self._graphed = None
         self.compile_seconds: dict[str, float] = {}  # shape class -> seconds of its first (compiling) call
 
-    def _write(self, layer, ks: torch.Tensor, vs: torch.Tensor, pointer: int):
-        """Writes keys/values [b, nkv, q, d] at slots pointer.. of a StaticLayer; returns its storage.
+    def _write(self, layer, ks: torch.Tensor, vs: torch.Tensor, pointer: int, slots: torch.Tensor | None = None):
+        """Writes keys/values [b, nkv, q, d] at slots pointer.. of a StaticLayer (or at the slots of the tensor
+        `slots`, for a CUDA graph); returns its storage.
 
         A slice copy, converting to the cache dtype on the way: StaticLayer.update would spend five small ops
         (slot index, counter, two index copies) on it. Its counter is advanced for all layers at once by the
         caller, so crop/rewind keep working on it."""
         if not layer.is_initialized:
             layer.lazy_initialization(ks.to(self.attn_dtype), vs.to(self.attn_dtype))
+        if slots is not None:
+            layer.keys.index_copy_(2, slots, ks.to(layer.keys.dtype))
+            layer.values.index_copy_(2, slots, vs.to(layer.values.dtype))
+            return layer.keys, layer.values
         end = pointer + ks.shape[2]
         layer.keys[:, :, pointer:end] = ks
         layer.values[:, :, pointer:end] = vs
@@ -189,6 +194,8 @@ class FastForward:
         if not compile or logits_to_keep:
             return self._forward(input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
         b, q = input_ids.shape
+        if input_ids.is_cuda:
+            return self._graphed_step(input_ids, position_ids, cache, valid, pointer, tap_ids)
         # the flags of the slots in use, as a tensor of their own: a slice of the storage would be contiguous
         # only when the block ends at the last slot, and the graph is specific to that
         valid = valid[:, :pointer + q].clone(memory_format=torch.contiguous_format)
@@ -214,17 +221,43 @@ class FastForward:
         log.info("torch.compile: the %s step took %.1f s to trace and compile", graph, self.compile_seconds[graph])
         return out
 
-    def _forward(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int], logits_to_keep: int):
+    def _graphed_step(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int]):
+        """A decode or verify step on a GPU through torch.compile with CUDA graphs: a step is a few hundred small
+        kernels whose launches cost more than their work. A graph replays only what has the same shapes and
+        addresses, so this step's shapes do not depend on the pointer: the new keys go to the slots of a
+        tensor, attention reads the whole storage (the flags mask what is not committed), and the cache tensors
+        are marked as staying put (growing or compacting the cache records the graphs again)."""
+        b, q = input_ids.shape
+        slots = pointer + torch.arange(q, device=input_ids.device)
+        for layer in cache.layers:
+            if layer.is_initialized:
+                for t in (layer.keys, layer.values):
+                    torch._dynamo.mark_static_address(t)
+        if self._graphed is None:
+            self._graphed = compile_frozen(self._forward, (self.embed, self.rotary, self.final_norm,
+                                                           self.head_weight, self.head_bias, *self.layers),
+                                           cuda_graphs=True)
+        graph = f"{'n rows' if b > 1 else '1 row'} x {q} tokens{', tapped' * bool(tap_ids)}, CUDA graph"
+        t = time.perf_counter()
+        out = self._graphed(input_ids, position_ids, cache, valid, 0, tap_ids, 0, slots)  # no int that moves
+        if graph not in self.compile_seconds:
+            self.compile_seconds[graph] = time.perf_counter() - t
+        return out
+
+    def _forward(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int], logits_to_keep: int,
+                 write_slots: torch.Tensor | None = None):
         b, q = input_ids.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
         cos, sin = _rope_tables(*self.rotary(x, position_ids))  # [b, 1, q, d]
-        end = pointer + q  # attention reads only the slots in use, not the whole storage
+        # attention reads only the slots in use, not the whole storage; write_slots (a CUDA graph's step, see
+        # _graphed_step) write at the slots of that tensor and read the whole storage
+        end = valid.shape[1] if write_slots is not None else pointer + q
         valid = valid[:, :end]
         # slot j is visible to query i if it is committed and not after the query's own slot; a query always
         # sees its own slot, so a padding query attends to something and its states stay finite
         slots = torch.arange(end, device=valid.device)
-        own = (pointer + torch.arange(q, device=valid.device))[:, None]
+        own = (write_slots if write_slots is not None else pointer + torch.arange(q, device=valid.device))[:, None]
         visible = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
         few = self.cache_kernel and q <= CACHE_KERNEL_QUERIES
         # a CPU cache in bf16 is read by SDPA in fp32 (its bf16 kernels are slow there)
@@ -250,7 +283,7 @@ class FastForward:
             qk = qk * cos + qk.roll(d // 2, -1) * sin
             qs, ks = qk[:, :nh], qk[:, nh:]
             vs = vs.view(b, q, nkv, d).transpose(1, 2)
-            keys, values = self._write(layer_cache, ks, vs, pointer)
+            keys, values = self._write(layer_cache, ks, vs, pointer, write_slots)
             if few:
                 o = torch.ops.dflash_attn.cache_attention(qs.float(), keys[:, :, :end], values[:, :, :end],
                                                           visible[:, 0], self.scaling)
