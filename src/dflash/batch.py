@@ -7,6 +7,7 @@ drive the same object, so the step that makes the output lossless exists once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,16 @@ from .eagle import Eagle3DraftModel
 from .model import DFlashDraftModel, DraftKVCache
 from .ngram import NgramDraft
 from .fast import make_adapter
+from .tree import accept, build_trees
+
+
+@dataclass
+class TreeSpec:
+    """How a step's candidate trees are made (dflash.tree): `budget` draft nodes per row, the draft's `topk`
+    tokens per slot, and per row an n-gram continuation of its text to add, or None."""
+    budget: int
+    topk: int = 4
+    continuations: list[list[int]] | None = None
 
 
 def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -87,7 +98,7 @@ class SpecBatch:
         return logits[:, -1]
 
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
-             histories: list[list[int]] | None = None, width: int | None = None):
+             histories: list[list[int]] | None = None, width: int | None = None, tree: "TreeSpec | None" = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
         forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q].
 
@@ -97,6 +108,8 @@ class SpecBatch:
         so choice[:, :accepted+1] may be committed. Call `commit` next. q = B, except for an n-gram draft,
         whose blocks are only as wide as its longest proposal, and when a narrower `width` is asked for
         (1 = a plain decoding step; the draft cache still receives the target's features).
+        tree: verify a candidate tree instead of the argmax chain (a DFlash draft, greedy choices; see dflash.tree):
+        the same contract, choice[:, :accepted+1] being the accepted path's tokens and the target's one after.
         """
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
@@ -122,6 +135,8 @@ class SpecBatch:
             proposal = self.eagle.chain(*self._chain_start, self.dcache, self.adapter.valid[:, :self.pointer],
                                         width - 1)
             verify_ids = torch.cat([anchor, proposal], 1)
+        elif self.draft is not None and tree is not None:
+            return self._tree_step(anchor, block_pos, choose, tree)
         elif self.draft is not None:
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
@@ -135,6 +150,40 @@ class SpecBatch:
         self._choice = choice
         accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
         return choice, accepted
+
+    def _tree_step(self, anchor, block_pos, choose, spec: "TreeSpec"):
+        """A candidate tree's step: the draft's top-k per slot (read back: the tree is built on the host), the
+        tree verified in one forward, its accepted path moved to the block's first slots. Afterwards the state is
+        what a chain step accepting that path leaves, so `commit` and everything after it are the same."""
+        L = anchor.shape[0]
+        mask_block = anchor.new_full((L, self.B - 1), self.draft.config.mask_token_id)
+        ids, logp = self.draft.propose_topk(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
+                                            self.adapter.valid[:, :self.pointer], spec.topk, **self.draft_kw)
+        host = torch.cat([anchor.float(), ids.reshape(L, -1).float(), logp.reshape(L, -1)], 1).tolist()
+        k = ids.shape[2]
+        top_ids = [[[int(v) for v in row[1 + s * k:1 + (s + 1) * k]] for s in range(self.B - 1)] for row in host]
+        top_logp = [[row[1 + (self.B - 1) * k + s * k:1 + (self.B - 1) * k + (s + 1) * k] for s in range(self.B - 1)]
+                    for row in host]
+        trees = build_trees([int(row[0]) for row in host], top_ids, top_logp, spec.budget, spec.continuations,
+                            self.device, min_nodes=self.B)
+        N = trees.size
+        if self.pointer + max(N, self.B) > self.adapter.capacity:
+            self.make_room(max(N, self.B))
+        p = self.pointer
+        logits, feats = self.adapter.forward(trees.tokens, block_pos[:, :1] + trees.depth, capture=True,
+                                             tree_mask=trees.visible)
+        choice = choose(logits)  # [L, N] the target's token after every node
+        path, accepted = accept(trees, choice, self.B - 1)  # [L, B] nodes, root first
+        self.last_tree = (trees, path, accepted)
+        # the accepted path to slots p..p+B, as a chain's block lies; the rest of the tree is dropped
+        self.adapter.gather_slots(p, path)
+        self.adapter.valid[:, p + self.B:p + N] = False
+        self.adapter.rewind(N - self.B)
+        self._slot, self._q = p, self.B
+        self._block_pos = block_pos[:, :1] + torch.arange(self.B, device=self.device)
+        self._feats = feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))
+        self._choice = choice.gather(1, path)
+        return self._choice, accepted
 
     def commit(self, n_keep: torch.Tensor, advance: int) -> None:
         """Keeps the first n_keep[r] verified slots of each row ([anchor, accepted drafts]) and moves the
@@ -216,10 +265,11 @@ class SpecBatch:
         if self.draft is not None:
             self.dcache.gather_slots(index)
 
-    def make_room(self) -> None:
-        """Frees room for the next block: squeeze out holes when there are enough, else grow (doubling), and
-        squeeze anyway once the storage is at its full size (which always fits every row after compaction)."""
-        adapter, B = self.adapter, self.B
+    def make_room(self, B: int | None = None) -> None:
+        """Frees room for the next block (B slots, default the block size): squeeze out holes when there are
+        enough, else grow (doubling), and squeeze anyway once the storage is at its full size (which always fits
+        every row after compaction)."""
+        adapter, B = self.adapter, B or self.B
         self.flush()  # pending features must be in the draft cache before slots move
         if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:
             self._compact()

@@ -186,13 +186,14 @@ class FastForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int],
-                 logits_to_keep: int = 0, compile: bool = False):
+                 logits_to_keep: int = 0, compile: bool = False, tree_mask: torch.Tensor | None = None):
         """input_ids, position_ids: [b, q] written at slots pointer..pointer+q of `cache` (StaticLayers);
         valid: [b, capacity] committed slots (the new ones included). Returns (logits [b, q', V], taps).
         compile: run decode and verify steps (logits_to_keep=0) through `torch.compile` (see `_compiled_step`);
         prompt passes, one-offs of any length, stay eager."""
-        if not compile or logits_to_keep:
-            return self._forward(input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep)
+        if not compile or logits_to_keep or tree_mask is not None:  # candidate trees verify eagerly
+            return self._forward(input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep,
+                                 tree_mask=tree_mask)
         b, q = input_ids.shape
         if input_ids.is_cuda:
             return self._graphed_step(input_ids, position_ids, cache, valid, pointer, tap_ids)
@@ -245,7 +246,7 @@ class FastForward:
         return out
 
     def _forward(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int], logits_to_keep: int,
-                 write_slots: torch.Tensor | None = None):
+                 write_slots: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None):
         b, q = input_ids.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
@@ -259,6 +260,8 @@ class FastForward:
         slots = torch.arange(end, device=valid.device)
         own = (write_slots if write_slots is not None else pointer + torch.arange(q, device=valid.device))[:, None]
         visible = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
+        if tree_mask is not None:  # a candidate tree: among the new tokens, a node sees itself and its ancestors
+            visible = torch.cat([visible[..., :pointer], tree_mask[:, None]], -1)
         few = self.cache_kernel and q <= CACHE_KERNEL_QUERIES
         # a CPU cache in bf16 is read by SDPA in fp32 (its bf16 kernels are slow there)
         sdpa_dtype = torch.float32 if (self.cache_kernel and self.attn_dtype != torch.float32) else self.attn_dtype
@@ -371,6 +374,6 @@ class FastTargetAdapter(TargetAdapter):
         self.fast = fast_forward(model, quantize)
         self.compile = compile
 
-    def _run(self, input_ids, position_ids, tap_ids, logits_to_keep):
+    def _run(self, input_ids, position_ids, tap_ids, logits_to_keep, tree_mask=None):
         return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep,
-                         self.compile)
+                         self.compile, tree_mask)

@@ -16,12 +16,20 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import WidthController
-from .batch import SpecBatch, prompt_positions
+from .batch import SpecBatch, TreeSpec, prompt_positions
+from .eagle import Eagle3DraftModel
 from .fast import resolve_runtime
 from .errors import DFlashInputError
 from .model import DFlashDraftModel
 from .ngram import NgramDraft
 from .sampling import SamplingParams, choose_tokens
+
+
+@dataclass
+class TreeOptions:
+    budget: int  # draft nodes per tree
+    topk: int = 4  # the draft's best tokens per slot that paths are made of
+    ngram: bool = True  # add the text's n-gram continuation as a branch
 
 
 @dataclass
@@ -37,6 +45,9 @@ class GenerationOutput:
     total_time: float = 0.0
     width_counts: list[int] | None = None  # adaptive width: steps verified at each width 0..B (index = width)
     runtime: str = ""  # the target's forward that ran ('auto' resolved, see dflash.fast.resolve_runtime)
+    # candidate trees: per (row, step) the accepted drafts, the rank of the accepted path among the draft's
+    # paths (-1: an n-gram branch alone) and its source (1 draft, 2 n-gram, 3 both); see dflash.tree
+    tree_paths: list[tuple[int, int, int]] | None = field(default=None, repr=False)
 
     @property
     def tau(self) -> float:
@@ -135,7 +146,7 @@ class _Generation:
 
     def __init__(self, target, draft: DFlashDraftModel | None, input_ids, attention_mask, *, block_size,
                  max_new_tokens, sampling: SamplingParams, stop_token_ids, generator, runtime="auto",
-                 adaptive_width: bool = False):
+                 adaptive_width: bool = False, tree: TreeOptions | None = None):
         self.target, self.draft = target, draft
         self.input_ids, self.mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens)
         self.device = self.input_ids.device
@@ -157,6 +168,12 @@ class _Generation:
         # so that its draws do not depend on timing and repeat
         self.widths = WidthController(self.B) if adaptive_width and draft is not None and \
             not isinstance(draft, NgramDraft) and (sampling.greedy or generator is None) else None
+        # candidate trees where they stay exact: a DFlash draft, greedy choices (sampling verifies the chain)
+        self.tree = tree if (tree is not None and sampling.greedy and isinstance(draft, DFlashDraftModel) and
+                             not isinstance(draft, Eagle3DraftModel)) else None
+        if self.tree is not None:
+            self.widths = None
+        self.tree_stats: list[tuple[int, int, int]] = []  # per (row, step): accepted, rank of its path, source
         self.ttft = 0.0
         self.total = 0.0
 
@@ -186,7 +203,8 @@ class _Generation:
         if self.max_new == 0:
             return
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + self.B, self.runtime)
+        room = self.B + (self.tree.budget + self.B if self.tree is not None else 0)  # a tree's nodes at the end
+        self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + room, self.runtime)
         batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
         pos = prompt_positions(self.mask)
@@ -199,8 +217,10 @@ class _Generation:
         _sync(self.device)
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
-        if batch.ngram is not None:
+        if batch.ngram is not None or (self.tree is not None and self.tree.ngram):
             self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
+            self.history = [p + [t] for p, t in zip(self.prompts, first.tolist())]  # the text so far, on the host
+        lookup = NgramDraft(num_tokens=self.B - 1) if self.tree is not None and self.tree.ngram else None
 
         j = torch.arange(self.B, device=self.device)
         live_rows = list(range(b))  # the host's copy of `live`
@@ -221,9 +241,13 @@ class _Generation:
                 histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
             t_step = time.perf_counter()
             width = self.widths.choose(len(live_rows)) if self.widths is not None else None
+            spec = None
+            if self.tree is not None:
+                spec = TreeSpec(self.tree.budget, self.tree.topk, None if lookup is None else
+                                [lookup.propose(self.history[r], self.B - 1) for r in live_rows])
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
-                                          histories, width)
+                                          histories, width, spec)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -242,9 +266,23 @@ class _Generation:
             step = [[] for _ in range(b)]
             for i, (r, n) in enumerate(zip(live_rows, n_rows)):
                 step[r] = tokens[i * q:i * q + n]
+                if lookup is not None:
+                    self.history[r] += step[r]
+            if spec is not None:
+                self._tree_stats(batch.last_tree, live_rows, host[3 * L:4 * L])
             yield step
         _sync(self.device)
         self.total = time.perf_counter() - t0
+
+    def _tree_stats(self, last_tree, live_rows: list[int], active: list[int]) -> None:
+        """Per active row: accepted draft tokens, the rank of the accepted path among the draft's paths (-1: an
+        n-gram branch alone; 0 when nothing was accepted) and where it came from (DRAFT | NGRAM bits)."""
+        trees, path, accepted = last_tree
+        deepest = path.gather(1, accepted[:, None])[:, 0].tolist()  # a small read, of stats only
+        for i, (node, on) in enumerate(zip(deepest, active)):
+            if on:
+                self.tree_stats.append((trees.depth[i, node].item() if node else 0, trees.rank[i][node],
+                                        trees.source[i][node]))
 
     def result(self) -> GenerationOutput:
         n = self.n_gen.tolist()
@@ -256,7 +294,8 @@ class _Generation:
                                 cache_growths=self.batch.growths if self.max_new else 0,
                                 time_to_first_token=self.ttft, total_time=self.total,
                                 width_counts=self.widths.width_counts if self.widths is not None else None,
-                                runtime=resolve_runtime(self.target, self.runtime))
+                                runtime=resolve_runtime(self.target, self.runtime),
+                                tree_paths=self.tree_stats if self.tree is not None else None)
 
 
 def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tokens) -> int:
@@ -275,21 +314,27 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
                     num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                     generator: torch.Generator | None = None, runtime: str = "auto",
-                    adaptive_width: bool = False) -> Iterator[list[list[int]]]:
+                    adaptive_width: bool = False, tree_budget: int | None = None, tree_topk: int = 4,
+                    tree_ngram: bool = True) -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
     token ids each row committed in that step. The generator's return value is the GenerationOutput.
     runtime: 'auto' | 'fast' | 'hf', the target's forward (see dflash.fast). adaptive_width: verify each
     step only as many drafted tokens as pay for their cost (see dflash.adaptive); off, every step verifies
-    the whole block."""
+    the whole block. tree_budget: verify candidate trees of that many draft nodes (the most probable paths
+    through the draft's `tree_topk` best tokens per slot, and with `tree_ngram` the text's n-gram
+    continuation) instead of the argmax chain (greedy only; see dflash.tree)."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
         if not isinstance(draft, NgramDraft) and not draft.is_bound_to(target):
             draft.bind(target)  # checks that the draft fits this target
+    if tree_budget is not None and (tree_budget < 1 or tree_topk < 1):
+        raise DFlashInputError(f"tree_budget and tree_topk must be >= 1, got {tree_budget} and {tree_topk}")
+    tree = TreeOptions(tree_budget, tree_topk, tree_ngram) if tree_budget is not None else None
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                     stop_token_ids=stop_token_ids, generator=generator, runtime=runtime,
-                    adaptive_width=adaptive_width)
+                    adaptive_width=adaptive_width, tree=tree)
     yield from g.steps()
     return g.result()
 
@@ -307,19 +352,22 @@ def run(stream) -> GenerationOutput:
 def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=None, *, block_size=None,
                   num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
-                  return_stats: bool = False, runtime: str = "auto", adaptive_width: bool = False):
+                  return_stats: bool = False, runtime: str = "auto", adaptive_width: bool = False,
+                  tree_budget: int | None = None, tree_topk: int = 4, tree_ngram: bool = True):
     """DFlash speculative generation.
 
     `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
     vLLM's setting of the same name counts B-1. Returns the sequences like HF `generate` (prompt as given,
     then new tokens, rows that stopped early padded on the right), or a GenerationOutput with stats.
+    tree_budget / tree_topk / tree_ngram: candidate-tree verification (see stream_generate).
     """
     if draft is None:
         raise DFlashInputError("spec_generate needs a draft; use ar_generate for plain decoding")
     out = run(stream_generate(target, draft, input_ids, attention_mask, block_size=block_size,
                                num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                               generator=generator, runtime=runtime, adaptive_width=adaptive_width))
+                               generator=generator, runtime=runtime, adaptive_width=adaptive_width,
+                               tree_budget=tree_budget, tree_topk=tree_topk, tree_ngram=tree_ngram))
     return out if return_stats else out.sequences
 
 

@@ -537,6 +537,19 @@ class DFlashDraftModel(nn.Module):
         body = self.compiled()[0] if compile else self
         return self.greedy_tokens(body(block_ids, block_pos, cache, ctx_valid)[:, 1:])
 
+    def propose_topk(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
+                     ctx_valid: torch.Tensor, k: int, compile: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most probable tokens at every mask slot and their log-probabilities, [b, B-1, k] each (over the
+        draft vocabulary if set): what a candidate tree is built from (dflash.tree)."""
+        body = self.compiled()[0] if compile else self
+        hidden = body(block_ids, block_pos, cache, ctx_valid)[:, 1:]
+        b, n, h = hidden.shape
+        weight, bias, rows = self._proposal_head()
+        logp = torch.log_softmax(linear(hidden.reshape(b * n, h).to(self.lm_head.weight.dtype), weight, bias).float(), -1)
+        top, ids = logp.topk(min(k, logp.shape[-1]), -1)
+        ids = ids if rows is None else rows[ids]
+        return ids.view(b, n, -1), top.view(b, n, -1)
+
     def compiled(self):
         """(forward, context_kv) through torch.compile for inference (`dflash.compiled.compile_frozen`: no guards
         on the weights before every call). Built on first use, and again whenever a tensor of the draft or of

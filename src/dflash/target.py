@@ -155,22 +155,43 @@ class TargetAdapter:
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, capture: bool,
-                logits_to_keep: int = 0, slot_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits_to_keep: int = 0, slot_valid: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Writes input_ids [b, q] at slots pointer..pointer+q; returns logits [b, q', V] and features
-        [b, q, num_ids*H] (the outputs of the tapped decoder layers, concatenated) when `capture`."""
+        [b, q, num_ids*H] (the outputs of the tapped decoder layers, concatenated) when `capture`.
+        tree_mask [b, q, q]: which of the new tokens each new token sees (a candidate tree: itself and its
+        ancestors); default causal."""
         q = input_ids.shape[1]
         if self.pointer + q > self.capacity:
             raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
         # the caller decides which of the new slots count; they must be visible to this forward
         self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
-        logits, taps = self._run(input_ids, position_ids, self.layer_ids if capture else [], logits_to_keep)
+        logits, taps = self._run(input_ids, position_ids, self.layer_ids if capture else [], logits_to_keep,
+                                 tree_mask)
         self.pointer += q
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if capture else None
         return logits, features
 
-    def _run(self, input_ids, position_ids, tap_ids: list[int], logits_to_keep: int):
+    def _run(self, input_ids, position_ids, tap_ids: list[int], logits_to_keep: int, tree_mask=None):
         """The model's forward over the cache: (logits, {layer id: its output})."""
+        mask = self.valid
+        if tree_mask is not None:  # a 4-D mask: the committed slots before, the tree among the new ones
+            b, q = input_ids.shape
+            mask = torch.zeros(b, 1, q, self.capacity, dtype=torch.bool, device=self.valid.device)
+            mask[:, 0, :, :self.pointer] = self.valid[:, None, :self.pointer]
+            mask[:, 0, :, self.pointer:self.pointer + q] = tree_mask
         with tap_layers(self.layers, tap_ids) as got:
-            out = self.model(input_ids=input_ids, attention_mask=self.valid, position_ids=position_ids,
+            out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                              use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kw: self.cache})
         return out.logits, got
+
+    def gather_slots(self, start: int, index: torch.Tensor) -> None:
+        """Moves each row's slots start + index[r, j] to start + j, in every layer (a candidate tree's accepted
+        path to consecutive slots, as a chain's accepted tokens lie)."""
+        m = index.shape[1]
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            idx = (start + index)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys[:, :, start:start + m] = layer.keys.gather(2, idx)
+            layer.values[:, :, start:start + m] = layer.values.gather(2, idx)

@@ -1,0 +1,106 @@
+"""Candidate trees (dflash.tree): the most probable paths through the draft's slot distributions and the text's
+n-gram continuation, verified in one forward; the output stays the target's own greedy text."""
+
+import pytest
+import torch
+
+from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash.tree import DRAFT, NGRAM, accept, build_trees
+from cpu_features import needs_attention_kernel, needs_int4_kernel
+from oracle import OracleDraft, SecondChoiceOracle
+from test_lossless import MAX_NEW, futures_for, new_tokens, references
+from tiny import ARCHS, ragged_batch, tiny_target
+
+
+def lp(*p):
+    return [float(torch.tensor(x).log()) for x in p]
+
+
+def test_a_tree_holds_the_most_probable_paths_and_the_ngram_branch():
+    # slot 1: a 0.6, b 0.3; slot 2: c 0.9, d 0.1; slot 3: e 0.5, f 0.5. Paths by probability: a .6, ac .54,
+    # b .3, ace .27 / acf .27, bc .27, ...
+    top_ids = [[[10, 11], [12, 13], [14, 15]]]
+    top_logp = [[lp(0.6, 0.3), lp(0.9, 0.1), lp(0.5, 0.5)]]
+    trees = build_trees([7], top_ids, top_logp, budget=4, continuations=[[11, 20, 21]], device="cpu")
+    tokens, parent, depth = (t[0].tolist() for t in (trees.tokens, trees.parent, trees.depth))
+    assert tokens[:5] == [7, 10, 12, 11, 14] and parent[:5] == [0, 0, 1, 0, 2] and depth[:5] == [0, 1, 2, 1, 3]
+    assert trees.rank[0][:5] == [0, 0, 1, 2, 3]
+    # the n-gram continuation b, 20, 21 shares node b with the draft's paths, then branches off
+    assert tokens[5:] == [20, 21] and parent[5:] == [3, 5] and trees.source[0][3] == DRAFT | NGRAM
+    assert trees.source[0][5] == NGRAM and trees.rank[0][5] == -1
+    vis = trees.visible[0]
+    assert vis[4].nonzero().flatten().tolist() == [0, 1, 2, 4]  # e sees the anchor, a, c and itself
+    assert vis[6].nonzero().flatten().tolist() == [0, 3, 5, 6]
+
+
+def test_accept_follows_the_targets_choices_down_the_tree():
+    trees = build_trees([7], [[[10, 11], [12, 13], [14, 15]]], [[lp(0.6, 0.3), lp(0.9, 0.1), lp(0.5, 0.5)]],
+                        budget=6, continuations=None, device="cpu", min_nodes=9)
+    tokens = trees.tokens[0].tolist()
+    # the target says 11 after the anchor, 12 after 11, 99 after that: the path anchor-11-12 (2 accepted)
+    choice = torch.full_like(trees.tokens, 99)
+    choice[0, 0] = 11
+    choice[0, tokens.index(11)] = 12
+    path, accepted = accept(trees, choice, 3)
+    assert accepted.tolist() == [2]
+    nodes = path[0].tolist()
+    assert [tokens[i] for i in nodes[:3]] == [7, 11, 12] and nodes[3] == nodes[2]
+    assert choice.gather(1, path)[0, :3].tolist() == [11, 12, 99]  # the committed tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("budget,topk,ngram", [(6, 2, False), (12, 3, True), (24, 4, True)])
+def test_trees_keep_greedy_output_and_accept_second_choices(arch, budget, topk, ngram):
+    target = tiny_target(arch, seed=1)
+    ids, mask = ragged_batch([3, 11, 6, 9], seed=4)  # as test_lossless: no near-ties on any family
+    refs = references(target, ids, mask, MAX_NEW)
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    futures = futures_for(ids, mask, refs)
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
+    chain = spec_generate(target, SecondChoiceOracle(base, futures, seed=2), ids, mask, **kw)
+    tree = spec_generate(target, SecondChoiceOracle(base, futures, seed=2), ids, mask, tree_budget=budget,
+                         tree_topk=topk, tree_ngram=ngram, **kw)
+    for out in (chain, tree):
+        assert new_tokens(out, ids, out.num_new_tokens) == refs, arch
+    assert tree.tau > chain.tau + 0.3, (arch, chain.tau, tree.tau)
+    assert len(tree.tree_paths) == len(tree.acceptance_lengths)
+    assert any(rank > 0 for _, rank, _ in tree.tree_paths)  # paths through a second choice were accepted
+
+
+def test_a_tree_that_is_the_argmax_chain_is_todays_step():
+    target = tiny_target("qwen3", seed=1)
+    ids, mask = ragged_batch([3, 11, 6, 9], seed=4)
+    refs = references(target, ids, mask, MAX_NEW)
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=6)
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[], return_stats=True)
+    futures = futures_for(ids, mask, refs)
+    chain = spec_generate(target, OracleDraft(base, futures, corrupt=0.3, seed=4), ids, mask, **kw)
+    tree = spec_generate(target, OracleDraft(base, futures, corrupt=0.3, seed=4), ids, mask, tree_budget=5,
+                         tree_topk=1, tree_ngram=False, **kw)
+    assert torch.equal(tree.sequences, chain.sequences)
+    assert tree.acceptance_lengths == chain.acceptance_lengths and chain.tau > 2
+
+
+def test_sampling_verifies_the_chain_as_before():
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    ids, mask = ragged_batch([4, 7], seed=5)
+    outs = [spec_generate(target, draft, ids, mask, max_new_tokens=16, temperature=0.8,
+                          generator=torch.Generator().manual_seed(9), **extra)
+            for extra in ({}, {"tree_budget": 10})]
+    assert torch.equal(*outs)
+
+
+@needs_attention_kernel
+@needs_int4_kernel
+def test_trees_are_bitwise_plain_decoding_in_the_int4_runtime():
+    target = tiny_target("llama", seed=4).bfloat16()
+    ids, mask = ragged_batch([6, 10], seed=7)
+    kw = dict(max_new_tokens=MAX_NEW, stop_token_ids=[], runtime="fast-int4")
+    ar = ar_generate(target, ids, mask, **kw)
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    refs = [ar[i, ids.shape[1]:].tolist() for i in range(2)]
+    futures = futures_for(ids, mask, refs)
+    tree = spec_generate(target, SecondChoiceOracle(base, futures, seed=1), ids, mask, tree_budget=12, tree_topk=2,
+                         return_stats=True, **kw)
+    assert torch.equal(tree.sequences, ar) and tree.tau > 2
