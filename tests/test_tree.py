@@ -104,3 +104,27 @@ def test_trees_are_bitwise_plain_decoding_in_the_int4_runtime():
     tree = spec_generate(target, SecondChoiceOracle(base, futures, seed=1), ids, mask, tree_budget=12, tree_topk=2,
                          return_stats=True, **kw)
     assert torch.equal(tree.sequences, ar) and tree.tau > 2
+
+
+def test_the_budget_controller_grows_trees_where_verifying_is_cheap_and_shrinks_them_where_dear():
+    from dflash.adaptive import TreeBudgetController
+
+    def run(seconds_per_token, steps=300, rows=4):
+        ctrl = TreeBudgetController(8)
+        for _ in range(steps):
+            b = ctrl.choose(rows)
+            gain = {0: 0, 7: 1.0, 14: 1.6, 28: 2.0}[b]  # bigger trees find a little more
+            ctrl.observe([gain] * rows, b, 0.02 + seconds_per_token * rows * (b + 1))
+        return max(ctrl.budget_counts, key=ctrl.budget_counts.get)
+    assert run(0.0) == 28  # verifying is free: the biggest tree
+    assert run(0.01) == 0  # every verified token costs half a plain step: plain decoding
+
+
+def test_an_adaptive_tree_keeps_greedy_output():
+    target = tiny_target("llama", seed=1)
+    ids, mask = ragged_batch([3, 11, 6, 9], seed=4)
+    refs = references(target, ids, mask, MAX_NEW)
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    out = spec_generate(target, SecondChoiceOracle(base, futures_for(ids, mask, refs), seed=2), ids, mask,
+                        max_new_tokens=MAX_NEW, stop_token_ids=[], tree_budget="auto", return_stats=True)
+    assert new_tokens(out, ids, out.num_new_tokens) == refs

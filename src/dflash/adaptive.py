@@ -148,3 +148,61 @@ def _weighted_least_squares(x: list[tuple[float, ...]], y: list[float], w: list[
                 f = a[r][col] / a[col][col]
                 a[r] = [v - f * p for v, p in zip(a[r], a[col])]
     return [a[r][n] / a[r][r] for r in range(n)]
+
+
+class TreeBudgetController:
+    """Adaptive candidate trees (dflash.tree): how many draft nodes a step's tree is worth, 0 being a plain
+    decoding step. Each budget's payoff is measured as it is used (a decaying average of the drafts a row gets
+    accepted), its cost by WidthController's model of a step's seconds from the tokens it verifies (rows x
+    nodes), so trees stay small where verifying is dear (a CPU, many rows) and grow where it is cheap. The next
+    larger budget is tried now and then, less often while it does not pay."""
+
+    def __init__(self, block_size: int, budgets: list[int] | None = None, *, prior_accepted: float = 0.5,
+                 prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16, max_probe_every: int = 256):
+        self.budgets = sorted(set(budgets or [0, block_size - 1, 2 * (block_size - 1), 4 * (block_size - 1)]))
+        self.cost = WidthController(block_size, decay=0.98)
+        self.gain = {b: [prior_accepted, prior_weight] for b in self.budgets if b > 0}  # [mean accepted, weight]
+        self.decay = decay
+        self.probe_every = self.base_probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.since_probe = 0
+        self.probing: int | None = None  # the budget a probe widened from
+        self.budget_counts = {b: 0 for b in self.budgets}
+
+    def expected_accepted(self, budget: int) -> float:
+        return 0.0 if budget == 0 else self.gain[budget][0]
+
+    def choose(self, rows: int) -> int:
+        fit = self.cost.step_seconds()
+        if fit is None:  # price two sizes first: a small tree, then a plain step
+            b = self.budgets[1] if self.cost.last != self.budgets[1] else 0
+        else:
+            a, slope, drafted = fit
+            rate = {b: rows * (1 + self.expected_accepted(b)) /
+                    (self.cost._measured(rows, b + 1) or a + slope * rows * (b + 1) + drafted * (b > 0))
+                    for b in self.budgets}
+            b = max(rate, key=rate.get)
+            if self.probing is not None:
+                grew = b > self.probing
+                self.probe_every = self.base_probe_every if grew else min(2 * self.probe_every, self.max_probe_every)
+                self.probing = None
+            self.since_probe += 1
+            bigger = [x for x in self.budgets if x > b]
+            if bigger and self.since_probe >= self.probe_every:
+                self.probing, b = b, bigger[0]
+                self.since_probe = 0
+        self.cost.last = b
+        self.budget_counts[b] += 1
+        return b
+
+    def observe(self, accepted: list[int], budget: int, seconds: float) -> None:
+        """One step: accepted drafts per row, the budget it ran (its tree: the anchor and `budget` draft nodes)
+        and its seconds."""
+        rows = len(accepted)
+        self.cost.observe([0] * rows, budget + 1, rows * (budget + 1), seconds)
+        if budget > 0 and rows:
+            g = self.gain[budget]
+            g[1] *= self.decay
+            mean = sum(accepted) / rows
+            g[0] += (mean - g[0]) * rows / (g[1] + rows)
+            g[1] += rows

@@ -43,6 +43,8 @@ class BenchConfig:
     runtime: str = "auto"
     methods: list[str] = field(default_factory=lambda: ["ar", "dflash"])
     ngram_tokens: int = 10  # proposals per step for ngram / hf-prompt-lookup
+    tree_budget: int = 16  # draft nodes per candidate tree for dflash-tree
+    tree_topk: int = 4  # the draft's best tokens per slot that trees are made of
     assistant_model: str | None = None  # for hf-assisted
     early_exit_layer: int | None = None  # for hf-early-exit; None: a quarter of the target's layers
     eagle_draft: str | None = None  # for eagle3
@@ -124,7 +126,7 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token, runtime: str = "
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-DFLASH_METHODS = ("dflash", "dflash-adaptive")  # the methods that need a DFlash draft
+DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash-tree-adaptive")  # need a DFlash draft
 EAGLE_METHODS = ("eagle3", "eagle3-adaptive")  # ... an EAGLE-3-style drafter
 METHODS = ("ar", *DFLASH_METHODS, *EAGLE_METHODS, "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit")
 
@@ -163,14 +165,15 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     stops = default_stop_token_ids(target)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
 
-    def ours(gen_draft, block_size=None, adaptive=False):
+    def ours(gen_draft, block_size=None, adaptive=False, tree=None):
         def fn(ids, mask, seed):
             g = torch.Generator(device=device).manual_seed(seed)
             if gen_draft is None:
                 o = ar_generate(target, ids, mask, generator=g, return_stats=True, **kw)
             else:
                 o = spec_generate(target, gen_draft, ids, mask, block_size=block_size, generator=g,
-                                  return_stats=True, adaptive_width=adaptive, **kw)
+                                  return_stats=True, adaptive_width=adaptive, tree_budget=tree,
+                                  tree_topk=cfg.tree_topk, **kw)
             P = ids.shape[1]
             return Run([o.sequences[i, P:P + n].tolist() for i, n in enumerate(o.num_new_tokens)], o.total_time,
                        o.time_to_first_token, o.acceptance_lengths if gen_draft is not None else None, o.block_size)
@@ -196,7 +199,10 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
         return fn
 
     table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
-             "dflash-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True), "eagle3": lambda: ours(eagle),
+             "dflash-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True),
+             # candidate trees: the draft's top paths and the n-gram continuation, a fixed or a priced budget
+             "dflash-tree": lambda: ours(draft, cfg.block_size, tree=cfg.tree_budget),
+             "dflash-tree-adaptive": lambda: ours(draft, cfg.block_size, tree="auto"), "eagle3": lambda: ours(eagle),
              # the chain as long as pays for itself, step by step: the peer of dflash-adaptive (EAGLE's own
              # drafts are dynamic too)
              "eagle3-adaptive": lambda: ours(eagle, adaptive=True),

@@ -43,6 +43,10 @@ def _float_in(lo, hi, lo_open=False):
     return parse
 
 
+def _tree_budget(s):
+    return "auto" if s == "auto" else _int_at_least(1)(s)
+
+
 def _width_option(p) -> None:
     p.add_argument("--fixed-width", action="store_true",
                    help="verify the whole block every step (default: only as many drafted tokens as the measured "
@@ -64,6 +68,10 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system message for the chat template")
     _template_option(p)
     _width_option(p)
+    p.add_argument("--tree-budget", default=None, type=_tree_budget,
+                   help="verify candidate trees of N draft nodes (the draft's most probable paths and the text's "
+                   "n-gram continuation) instead of one block, greedy only; auto = as many as pay, step by step")
+    p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -146,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
-                    "width), eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
+                    "width), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
+                    "dflash-tree-adaptive (trees as big as pay for themselves, step by step; both greedy only), "
+                    "eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
                     "ngram (prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, "
                     "hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
     _template_option(be)
@@ -154,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the eagle3 drafter (from `dflash train --method eagle3`); None = the one shipped for --model")
     be.add_argument("--ngram-tokens", type=_int_at_least(1), default=10,
                     help="tokens proposed per step by ngram and hf-prompt-lookup")
+    be.add_argument("--tree-budget", type=_int_at_least(1), default=16, help="draft nodes per tree for dflash-tree")
+    be.add_argument("--tree-topk", type=_int_at_least(1), default=4,
+                    help="the draft's best tokens per slot that trees are made of")
     be.add_argument("--assistant-model", default=None, help="the assistant for hf-assisted (same tokenizer)")
     be.add_argument("--early-exit-layer", type=_int_at_least(1), default=None,
                     help="hf-early-exit drafts with the target's first N layers; None = a quarter of them")
@@ -364,7 +377,8 @@ class Session:
         stream = stream_generate(self.target, self.draft, self.encode(messages), block_size=a.block_size,
                                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                  top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator,
-                                 runtime=a.runtime, adaptive_width=not a.fixed_width)
+                                 runtime=a.runtime, adaptive_width=not a.fixed_width, tree_budget=a.tree_budget,
+                                 tree_topk=a.tree_topk)
         text = TextStream(self.tokenizer)
         while True:
             try:
@@ -485,6 +499,7 @@ def cmd_bench(args) -> int:
                       temperature=args.temperature, batch_size=args.batch_size, out=args.out, data_dir=args.data_dir,
                       seed=args.seed, model=str(args.model), draft=str(draft_path), runtime=args.runtime,
                       methods=methods, ngram_tokens=args.ngram_tokens, assistant_model=args.assistant_model,
+                      tree_budget=args.tree_budget, tree_topk=args.tree_topk,
                       eagle_draft=eagle_path and str(eagle_path), early_exit_layer=args.early_exit_layer,
                       chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     report = run_bench(cfg, target, tokenizer, draft, assistant=assistant, eagle=eagle)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import WidthController
+from .adaptive import TreeBudgetController, WidthController
 from .batch import SpecBatch, TreeSpec, prompt_positions
 from .eagle import Eagle3DraftModel
 from .fast import resolve_runtime
@@ -27,7 +27,7 @@ from .sampling import SamplingParams, choose_tokens
 
 @dataclass
 class TreeOptions:
-    budget: int  # draft nodes per tree
+    budget: int | None  # draft nodes per tree; None: chosen step by step (dflash.adaptive.TreeBudgetController)
     topk: int = 4  # the draft's best tokens per slot that paths are made of
     ngram: bool = True  # add the text's n-gram continuation as a branch
 
@@ -171,8 +171,11 @@ class _Generation:
         # candidate trees where they stay exact: a DFlash draft, greedy choices (sampling verifies the chain)
         self.tree = tree if (tree is not None and sampling.greedy and isinstance(draft, DFlashDraftModel) and
                              not isinstance(draft, Eagle3DraftModel)) else None
+        self.budgets = None
         if self.tree is not None:
             self.widths = None
+            if self.tree.budget is None:
+                self.budgets = TreeBudgetController(self.B)
         self.tree_stats: list[tuple[int, int, int]] = []  # per (row, step): accepted, rank of its path, source
         self.ttft = 0.0
         self.total = 0.0
@@ -203,7 +206,8 @@ class _Generation:
         if self.max_new == 0:
             return
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        room = self.B + (self.tree.budget + self.B if self.tree is not None else 0)  # a tree's nodes at the end
+        most = (self.tree.budget or max(self.budgets.budgets)) if self.tree is not None else 0
+        room = self.B + (most + self.B if self.tree is not None else 0)  # a tree's nodes at the end
         self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + room, self.runtime)
         batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)
@@ -241,10 +245,14 @@ class _Generation:
                 histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
             t_step = time.perf_counter()
             width = self.widths.choose(len(live_rows)) if self.widths is not None else None
-            spec = None
+            spec, budget = None, None
             if self.tree is not None:
-                spec = TreeSpec(self.tree.budget, self.tree.topk, None if lookup is None else
-                                [lookup.propose(self.history[r], self.B - 1) for r in live_rows])
+                budget = self.budgets.choose(len(live_rows)) if self.budgets is not None else self.tree.budget
+                if budget > 0:
+                    spec = TreeSpec(budget, self.tree.topk, None if lookup is None else
+                                    [lookup.propose(self.history[r], self.B - 1) for r in live_rows])
+                else:
+                    width = 1  # a plain step
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
                                           histories, width, spec)
@@ -261,6 +269,8 @@ class _Generation:
             batch.commit(n_take, max(n_rows))
             if self.widths is not None:
                 self.widths.observe([a - 1 for a in acc], width, L * width, time.perf_counter() - t_step)
+            if self.budgets is not None:
+                self.budgets.observe([a - 1 for a in acc], budget, time.perf_counter() - t_step)
             self.acceptance += acc
             self.num_steps += 1
             step = [[] for _ in range(b)]
@@ -314,7 +324,7 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
                     num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                     generator: torch.Generator | None = None, runtime: str = "auto",
-                    adaptive_width: bool = False, tree_budget: int | None = None, tree_topk: int = 4,
+                    adaptive_width: bool = False, tree_budget: int | str | None = None, tree_topk: int = 4,
                     tree_ngram: bool = True) -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
     token ids each row committed in that step. The generator's return value is the GenerationOutput.
@@ -322,15 +332,19 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     step only as many drafted tokens as pay for their cost (see dflash.adaptive); off, every step verifies
     the whole block. tree_budget: verify candidate trees of that many draft nodes (the most probable paths
     through the draft's `tree_topk` best tokens per slot, and with `tree_ngram` the text's n-gram
-    continuation) instead of the argmax chain (greedy only; see dflash.tree)."""
+    continuation) instead of the argmax chain (greedy only; see dflash.tree); 'auto': as many as pay for
+    themselves, step by step (dflash.adaptive.TreeBudgetController), 0 being a plain step."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
         if not isinstance(draft, NgramDraft) and not draft.is_bound_to(target):
             draft.bind(target)  # checks that the draft fits this target
-    if tree_budget is not None and (tree_budget < 1 or tree_topk < 1):
-        raise DFlashInputError(f"tree_budget and tree_topk must be >= 1, got {tree_budget} and {tree_topk}")
-    tree = TreeOptions(tree_budget, tree_topk, tree_ngram) if tree_budget is not None else None
+    if tree_budget is not None and tree_budget != "auto" and (not isinstance(tree_budget, int) or tree_budget < 1):
+        raise DFlashInputError(f"tree_budget must be an integer >= 1 or 'auto', got {tree_budget!r}")
+    if tree_topk < 1:
+        raise DFlashInputError(f"tree_topk must be >= 1, got {tree_topk}")
+    tree = None if tree_budget is None else TreeOptions(None if tree_budget == "auto" else tree_budget, tree_topk,
+                                                        tree_ngram)
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                     stop_token_ids=stop_token_ids, generator=generator, runtime=runtime,
@@ -353,7 +367,7 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
                   num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
                   return_stats: bool = False, runtime: str = "auto", adaptive_width: bool = False,
-                  tree_budget: int | None = None, tree_topk: int = 4, tree_ngram: bool = True):
+                  tree_budget: int | str | None = None, tree_topk: int = 4, tree_ngram: bool = True):
     """DFlash speculative generation.
 
     `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
