@@ -49,11 +49,24 @@ def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path)
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello the", "the cat", "a b c", "x")))
     r = run("evaluate", *common(tiny_gguf)[:2], "--dtype", "float32", "--threads", "1", "--draft", draft,
             "--prompts", prompts, "--num-prompts", "3", "--max-new-tokens", "12", "--batch-size", "2",
-            "--out", tmp_path / "out", env_home=home)
+            "--topk", "1,2", "--out", tmp_path / "out", env_home=home)
     assert r.returncode == 0, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["block_size"] == 4 and line["tau_held-out"] >= 1.0
-    assert "| held-out |" in r.stdout and "slot 3" in r.stdout
+    assert "| held-out |" in r.stdout and "slot 3" in r.stdout and "| held-out | 2 |" in r.stdout
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["datasets"]["held-out"]["prompts"] == 3 and saved["hardware"]
     assert (tmp_path / "out" / "slot_acceptance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_topk_hit_rates_grow_with_k_and_reach_one_at_the_whole_vocabulary():
+    from dflash.evaluate import topk_hits
+
+    target = tiny_target("llama", seed=5)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    g = torch.Generator().manual_seed(3)
+    texts = [(torch.randint(3, 96, (n,), generator=g).tolist(), p) for n, p in ((20, 6), (15, 9))]
+    rates = topk_hits(target, draft, texts, [1, 3, 96], 4)
+    assert list(rates) == ["1", "3", "96"] and all(len(r) == 3 for r in rates.values())
+    assert all(a <= b <= c for a, b, c in zip(rates["1"], rates["3"], rates["96"]))
+    assert rates["96"] == [1.0, 1.0, 1.0] and draft.config.block_size == 4

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens per answer")
     ev.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
     ev.add_argument("--batch-size", type=_int_at_least(1), default=8, help="prompts decoded together")
+    ev.add_argument("--topk", default="1,2,4", help="also count, per slot, how often the target's token is among the "
+                    "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
     ev.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
     ev.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
@@ -517,6 +519,7 @@ def cmd_evaluate(args) -> int:
     cfg = EvalConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], num_prompts=args.num_prompts,
                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
                      data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts,
+                     topk=[int(k) for k in args.topk.split(",") if k.strip()] or None,
                      chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path)})
     return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .io import atomic_write_text, save_png
+from .kernels import linear
 
 EVAL_DATASETS = ["gsm8k", "mbpp", "humaneval", "mt-bench"]
 
@@ -31,6 +32,7 @@ class EvalConfig:
     data_dir: str | None = None
     runtime: str = "auto"
     prompts: str | None = None  # a JSONL prompt file instead of the named datasets
+    topk: list[int] | None = None  # also: how often the target's token is among the draft's k best, per slot
     chat_template_kwargs: dict | None = None  # the chat template's options, e.g. {"enable_thinking": False}
 
 
@@ -73,7 +75,7 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
     bar = tqdm(total=sum(len(p) for p in prompt_sets.values()), unit="prompt", desc="evaluate",
                disable=not progress, dynamic_ncols=True)
     for name, prompts in prompt_sets.items():
-        lengths = []
+        lengths, texts = [], []
         prompts = sorted(prompts, key=len)  # batches pad little
         for i in range(0, len(prompts), cfg.batch_size):
             ids, mask = left_pad(prompts[i:i + cfg.batch_size], pad_id)
@@ -81,17 +83,56 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
                                 max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, return_stats=True,
                                 runtime=cfg.runtime)
             lengths += out.acceptance_lengths
+            P = ids.shape[1]
+            texts += [(p + out.sequences[r, P:P + n].tolist(), len(p))
+                      for r, (p, n) in enumerate(zip(prompts[i:i + cfg.batch_size], out.num_new_tokens))]
             bar.update(ids.shape[0])
         hist = [0] * B
         for n in lengths:
             hist[n - 1] += 1
         results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "slot_acceptance": slot_acceptance(lengths, B),
                          "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts)}
+        if cfg.topk:
+            results[name]["topk_hits"] = topk_hits(target, draft, texts, cfg.topk, B)
     bar.close()
     if was_training:
         draft.train()
     return {"block_size": B, "datasets": results,
             "mean_tau": sum(r["tau"] for r in results.values()) / max(1, len(results))}
+
+
+@torch.no_grad()
+def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int], block_size: int) -> dict:
+    """Per k and block slot: how often the target's own next token is among the draft's k most probable ones,
+    with every answer position as anchor and the target's text as context (teacher-forced, so a slot is counted
+    whatever the slots before it proposed). k = 1 is the chain's per-slot accuracy; the gain at k > 1 is what
+    candidate trees (dflash.tree) can take."""
+    from .train import DFlashTrainStep, block_inputs, target_features
+
+    draft.config.block_size, saved = block_size, draft.config.block_size
+    step = DFlashTrainStep(draft, 1.0)
+    hits = torch.zeros(len(ks), block_size - 1)
+    counted = torch.zeros(block_size - 1)
+    weight, bias, rows = draft._proposal_head()
+    try:
+        for ids, n_prompt in texts:
+            ids = torch.tensor(ids)
+            anchors = torch.arange(n_prompt, len(ids) - 1)
+            if len(anchors) == 0:
+                continue
+            feats = target_features(target, draft.config.target_layer_ids, ids).to(draft.fc.weight.dtype)
+            hidden = step.block_hidden(feats, ids.to(feats.device), anchors)[:, 1:]  # [n, B-1, H]
+            _, _, labels = block_inputs(ids, torch.ones_like(ids), anchors, block_size, draft.config.mask_token_id)
+            logits = linear(hidden.reshape(-1, hidden.shape[-1]).to(draft.lm_head.weight.dtype), weight, bias)
+            top = logits.topk(max(ks), -1).indices.view(*labels.shape, -1).cpu()
+            top = top if rows is None else rows.cpu()[top]
+            ok = labels != -100
+            counted += ok.sum(0)
+            for i, k in enumerate(ks):
+                hits[i] += ((top[..., :k] == labels[..., None]).any(-1) & ok).sum(0)
+    finally:
+        draft.config.block_size = saved
+    return {str(k): (hits[i] / counted.clamp(min=1)).tolist() for i, k in enumerate(ks)}
 
 
 def plot_slot_acceptance(results: dict, png: Path, title: str = "") -> None:
@@ -120,6 +161,11 @@ def format_table(results: dict) -> str:
     for name, r in results["datasets"].items():
         rows.append(f"| {name} | {r['tau']:.2f} | " + " | ".join(f"{a:.2f}" for a in r["slot_acceptance"])
                     + f" | {r['steps']} |")
+    tops = [(name, k, rates) for name, r in results["datasets"].items() for k, rates in r.get("topk_hits", {}).items()]
+    if tops:  # teacher-forced: the target's token among the draft's k best, per slot
+        rows += ["", "| dataset | top-k | " + " | ".join(f"slot {k}" for k in range(1, B)) + " |",
+                 "|" + "---|" * (B + 1)]
+        rows += [f"| {name} | {k} | " + " | ".join(f"{a:.2f}" for a in rates) + " |" for name, k, rates in tops]
     return "\n".join(rows)
 
 
