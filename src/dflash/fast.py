@@ -44,7 +44,7 @@ def fast_unsupported(model) -> str | None:
 
 QUANTIZED = {"int8": Int8Weight, "int4": Int4Weight}
 PROMPT_DENSE_ROWS = 16  # prompt tokens from which a prompt pass multiplies by the model's own weights, see dense_rows
-CACHE_KERNEL_QUERIES = 16  # steps of up to this many tokens attend through dflash's kernel on the CPU
+CACHE_KERNEL_QUERIES = 16  # prompt passes of up to this many tokens attend through dflash's kernel on the CPU
 
 
 def _prepared(w: torch.Tensor, quantize: str | None):
@@ -141,7 +141,7 @@ class FastForward:
         self.layers = [_Layer(layer, quantize) for layer in decoder_layers(model)]
         dtype = next(model.parameters()).dtype
         on_cpu = next(model.parameters()).device.type == "cpu"
-        # On the CPU, decode and verify steps (up to CACHE_KERNEL_QUERIES queries) attend through dflash's kernel
+        # On the CPU, decode and verify steps (and short prompt passes) attend through dflash's kernel
         # (kernels.cache_attention_kernel): it reads the cache in the model's dtype and computes every query the
         # same way whatever else is in the step. Without it, PyTorch's bf16/fp16 attention for a few queries over a
         # long cache is several times slower than fp32, so the cache then holds fp32.
@@ -262,7 +262,9 @@ class FastForward:
         visible = ((valid[:, None, :] & (slots <= own)[None]) | (slots == own)[None])[:, None]  # [b, 1, q, end]
         if tree_mask is not None:  # a candidate tree: among the new tokens, a node sees itself and its ancestors
             visible = torch.cat([visible[..., :pointer], tree_mask[:, None]], -1)
-        few = self.cache_kernel and q <= CACHE_KERNEL_QUERIES
+        # decode and verify steps (trees of any size included) always, so that each query is computed the same
+        # way whatever the step; prompt passes of many tokens are faster through SDPA
+        few = self.cache_kernel and (logits_to_keep == 0 or q <= CACHE_KERNEL_QUERIES)
         # a CPU cache in bf16 is read by SDPA in fp32 (its bf16 kernels are slow there)
         sdpa_dtype = torch.float32 if (self.cache_kernel and self.attn_dtype != torch.float32) else self.attn_dtype
         # additive, made once: SDPA would turn a boolean mask into one in every layer
