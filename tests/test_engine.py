@@ -213,3 +213,31 @@ def test_a_kv_cache_budget_queues_sequences_and_refuses_one_that_can_never_fit()
     assert most == 2 and [s.output_ids for s in seqs] == want
     with pytest.raises(DFlashInputError, match=r"needs about .* MiB of KV cache alone; the server's budget"):
         engine.add_request(list(range(3, 40)), max_tokens=30)
+
+
+@pytest.mark.parametrize("budget", [10, "auto"])
+def test_trees_in_the_engine_match_target_greedy_and_yield_to_sampling_rows(budget):
+    from oracle import SecondChoiceOracle
+
+    target = tiny_target("qwen3", seed=3)
+    ps = prompts([5, 17, 3, 26, 9], seed=1)
+    max_tokens = [20, 7, 30, 12, 25]
+    refs = [expected(target, p, n) for p, n in zip(ps, max_tokens)]
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    draft = SecondChoiceOracle(base, [p + r for p, r in zip(ps, refs)], seed=3)
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=3, prefill_tokens=8, tree_budget=budget,
+                                                         tree_topk=2))
+    seqs = [engine.add_request(p, max_tokens=n) for p, n in zip(ps[:3], max_tokens[:3])]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, max_tokens=n) for p, n in zip(ps[3:], max_tokens[3:])]
+    # a sampling request in the mix: steps with it verify chains, as before
+    sampled = engine.add_request(ps[0], max_tokens=10, sampling=SamplingParams(temperature=0.9), seed=1)
+    while engine.has_work():
+        engine.step()
+    for s, ref in zip(seqs, refs):
+        assert s.output_ids == ref, s.id
+    assert len(sampled.output_ids) == 10
+    if budget == 10:
+        taus = [sum(s.acceptance_lengths) / len(s.acceptance_lengths) for s in seqs if s.acceptance_lengths]
+        assert max(taus) > 2

@@ -45,7 +45,8 @@ def start_server(args, draft: bool, log_path: Path) -> tuple[subprocess.Popen, s
            "--max-batch-size", str(args.max_batch_size), "--max-queue", str(args.max_queue),
            "--prefill-tokens", str(args.prefill_tokens), "--runtime", args.runtime,
            "--max-verify-tokens", str(args.max_verify_tokens)] + (["--fixed-width"] if args.fixed_width else [])
-    for flag in ("block_size", "max_model_len", "dtype", "device", "threads", "chat_template_kwargs", "kv_cache_memory"):
+    for flag in ("block_size", "max_model_len", "dtype", "device", "threads", "chat_template_kwargs", "kv_cache_memory",
+                 "tree_budget", "tree_topk"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     cmd += (["--draft", str(args.draft)] if args.draft else []) if draft else ["--no-draft"]

@@ -229,6 +229,10 @@ def _serve_options(p) -> None:
                    help="prompt tokens prefilled per step while others decode")
     p.add_argument("--max-verify-tokens", type=_int_at_least(1), default=64,
                    help="tokens verified per step over the batch: blocks narrow as more sequences run")
+    p.add_argument("--tree-budget", default=None, type=_tree_budget,
+                   help="candidate trees of N draft nodes per row for steps whose rows all decode greedily (auto = "
+                   "as many as pay, step by step); None = blocks")
+    p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--kv-cache-memory", type=_float_in(0, 1e6, lo_open=True), default=None,
                    help="GiB the KV caches may take; requests wait for room, and one that can never fit gets a 400 "
                    "(None = 90%% of the GPU's free memory, half the CPU's available memory)")
@@ -533,7 +537,8 @@ def _engine(args):
     cfg = EngineConfig(max_batch_size=args.max_batch_size, max_queue=args.max_queue, block_size=args.block_size,
                        max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime,
                        max_verify_tokens=args.max_verify_tokens, adaptive_width=not args.fixed_width,
-                       kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))
+                       kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+                       tree_budget=args.tree_budget, tree_topk=args.tree_topk)
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

@@ -18,8 +18,9 @@ from enum import Enum
 
 import torch
 
-from .adaptive import WidthController
-from .batch import SpecBatch
+from .adaptive import TreeBudgetController, WidthController
+from .batch import SpecBatch, TreeSpec
+from .ngram import NgramDraft
 from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
@@ -53,6 +54,10 @@ class EngineConfig:
     # bytes the KV caches (target and draft) may take; None: 90% of the GPU's free memory, half the CPU's
     # available memory. Sequences wait for room rather than run the machine out of memory
     kv_cache_memory: int | None = None
+    # candidate trees (dflash.tree) for steps whose rows all decode greedily: draft nodes per row, or "auto" (as
+    # many as pay, step by step); None: blocks
+    tree_budget: int | str | None = None
+    tree_topk: int = 4
 
 
 class Status(Enum):
@@ -251,11 +256,16 @@ class ModelRunner:
 
     def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
                  runtime: str = "auto", max_verify_tokens: int = 64, adaptive_width: bool = True,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, tree_budget: int | str | None = None, tree_topk: int = 4):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
         self.widths = WidthController(self.B) if adaptive_width and draft is not None else None
-        self.max_capacity = max_model_len + self.B
+        self.tree_budget = tree_budget if draft is not None and draft.config.draft_method == "dflash" else None
+        self.tree_topk = tree_topk
+        self.budgets = TreeBudgetController(self.B) if self.tree_budget == "auto" else None
+        most = (max(self.budgets.budgets) if self.budgets else self.tree_budget) if self.tree_budget else 0
+        self.max_capacity = max_model_len + self.B + (most + self.B if most else 0)  # a tree's nodes at the end
+        self.lookup = NgramDraft(num_tokens=self.B - 1)
         self.device = next(target.parameters()).device
         self.runtime = runtime
         self.max_verify_tokens = max_verify_tokens
@@ -316,8 +326,17 @@ class ModelRunner:
         elif adaptive:
             width = self.widths.choose(len(self.rows), width)
         self.last_width = width
+        spec, budget = None, None
+        if self.tree_budget is not None and not self.width_plan and all(s.sampling.greedy for s in self.rows):
+            budget = self.budgets.choose(len(self.rows)) if self.budgets is not None else self.tree_budget
+            if budget > 0:
+                spec = TreeSpec(budget, self.tree_topk, [self.lookup.propose(s.prompt_ids + s.output_ids, self.B - 1)
+                                                         for s in self.rows])
+                width, adaptive = self.B, False
+            else:
+                width, adaptive = 1, False  # a plain step
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
-                                           lambda logits: _choose_per_row(logits, self.rows), width=width)
+                                           lambda logits: _choose_per_row(logits, self.rows), width=width, tree=spec)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
@@ -327,6 +346,8 @@ class ModelRunner:
         self.batch.commit(n_keep, max(n_list))
         if adaptive:
             self.widths.observe([n - 1 for n in n_list], width, L * width, time.perf_counter() - t0)
+        if self.budgets is not None and budget is not None:
+            self.budgets.observe([n - 1 for n in n_list], budget, time.perf_counter() - t0)
         return [tokens[i * q:i * q + n] for i, n in enumerate(n_list)], n_list
 
     def remove(self, seqs: list[Sequence]) -> None:
@@ -387,7 +408,8 @@ class LLMEngine:
         self.kv_cache_memory = budget
         self.scheduler = Scheduler(config, None if budget is None else budget // self.kv_bytes_per_token, B)
         self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens,
-                                  config.adaptive_width, config.prefill_tokens)
+                                  config.adaptive_width, config.prefill_tokens, config.tree_budget,
+                                  config.tree_topk)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device
