@@ -567,3 +567,25 @@ def test_draft_layers_can_start_from_the_targets_last_layers():
     assert torch.equal(draft.layers[1].self_attn.q_proj.weight, src["self_attn.q_proj.weight"])
     assert torch.equal(draft.layers[1].post_attention_layernorm.weight, src["post_attention_layernorm.weight"])
     assert not any("q_norm" in name for name in copied)  # Llama has no q/k norm: the draft keeps its own
+
+
+def test_a_time_budget_sizes_the_schedule_once_and_resumes_with_it(lang, tmp_path):
+    from dflash.train import CALIBRATION_STEPS
+
+    target, tok, root = lang
+    kw = dict(epochs=50, save_interval=CALIBRATION_STEPS + 2)
+    train(cfg_for(root, tmp_path / "run", max_hours=0.003, max_steps=CALIBRATION_STEPS + 2, **kw), target=target,
+          tokenizer=tok, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    sized = next(e for e in log if "calibrated_total_steps" in e)
+    total = sized["calibrated_total_steps"]
+    assert CALIBRATION_STEPS < total < 50 * 44  # ~11 s of steps, far fewer than 50 epochs'
+    state = torch.load(tmp_path / "run" / f"checkpoint-{CALIBRATION_STEPS + 2:07d}" / "trainer_state.pt",
+                       weights_only=False)
+    assert state["schedule"]["total_steps"] == total and state["schedule"]["max_hours"] == 0.003
+    # resumed, it keeps the measured length; another budget is another schedule
+    train(cfg_for(root, tmp_path / "run", max_hours=0.003, max_steps=CALIBRATION_STEPS + 4, resume=True, **kw),
+          target=target, tokenizer=tok, progress=False)
+    with pytest.raises(DFlashError, match="keeps its schedule"):
+        train(cfg_for(root, tmp_path / "run", max_hours=0.01, resume=True, **kw), target=target, tokenizer=tok,
+              progress=False)

@@ -258,6 +258,8 @@ _TRAIN_HELP = {
     "lr": "peak learning rate (AdamW)", "warmup": "warm-up fraction of all steps (then cosine decay)",
     "weight_decay": "AdamW weight decay", "epochs": "passes over the data",
     "max_steps": "stop after this many steps (schedule still spans all epochs)", "max_length": "tokens per sequence",
+    "max_hours": "a time budget: the schedule spans the steps that fit, as its first steps measure (at most the "
+                 "epochs'), for comparing recipes at equal wall-clock",
     "batch_size": "sequences per step per process", "grad_accum": "gradient accumulation",
     "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype", "save_dtype": "dtype of saved drafts",
     "seed": "seed (data order, anchors, init)", "save_interval": "checkpoint every N steps",

@@ -53,6 +53,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     epochs: int = 6
     max_steps: int | None = None  # stop after this many optimizer steps (the schedule still spans all epochs)
+    # a time budget instead of epochs: the schedule spans as many steps as the first CALIBRATION_STEPS say fit
+    # (capped at the epochs'); for comparing recipes at equal wall-clock
+    max_hours: float | None = None
     max_length: int = 3072
     batch_size: int = 1  # sequences per optimizer step per process (before accumulation)
     grad_accum: int = 1
@@ -334,11 +337,21 @@ def latest_checkpoint(out: Path) -> Path | None:
     return None
 
 
+CALIBRATION_STEPS = 20  # steps timed to size a --max-hours schedule
+
+
 def lr_schedule(cfg: TrainConfig, total_steps: int) -> dict:
     """The learning-rate schedule of a run: linear warm-up, then cosine decay to 0 at total_steps. Saved with
-    every checkpoint; a resumed run must ask for the same one."""
-    return {"kind": "cosine", "peak_lr": cfg.lr, "warmup_steps": int(cfg.warmup * total_steps),
-            "total_steps": total_steps}
+    every checkpoint; a resumed run must ask for the same one (see schedule_identity)."""
+    return {"kind": "cosine", "peak_lr": cfg.lr, "warmup": cfg.warmup, "max_hours": cfg.max_hours,
+            "warmup_steps": int(cfg.warmup * total_steps), "total_steps": total_steps}
+
+
+def schedule_identity(schedule: dict) -> dict:
+    """What a resumed run must ask for: the same kind, peak and warm-up, and the same length (in steps, or the
+    same time budget, whose steps the first sitting measured)."""
+    keys = ["kind", "peak_lr", "warmup", "max_hours"] + ([] if schedule.get("max_hours") else ["total_steps"])
+    return {k: schedule.get(k) for k in keys}
 
 
 def lr_factor(schedule: dict, step: int) -> float:
@@ -350,7 +363,7 @@ def lr_factor(schedule: dict, step: int) -> float:
 
 
 def _check_schedule(resume_from: Path, saved: dict | None, asked: dict) -> None:
-    if saved != asked:
+    if saved is None or schedule_identity(saved) != schedule_identity(asked):
         was = "no recorded schedule (an older dflash wrote it)" if saved is None else f"the schedule {saved}"
         raise DFlashError(f"{resume_from} was trained with {was}; this run asks for {asked}. A resumed run keeps "
                           "its schedule (same --lr, --warmup, --epochs, data and batch); to train on with another, "
@@ -443,13 +456,16 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if resume_from is not None:
         state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
         _check_schedule(resume_from, state.get("schedule"), schedule)
+        schedule.update(state["schedule"])  # a time budget's steps as its first sitting measured them
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         step = state["step"]
         if state.get("fingerprint") != fingerprint:
             raise DFlashError(f"{resume_from} was trained on other data; resume with the same data")
-    last = min(total_steps, cfg.max_steps) if cfg.max_steps else total_steps
+    calibrate = cfg.max_hours is not None and step < CALIBRATION_STEPS  # a fresh time-budgeted run sizes itself
+    first_step = step
+    last = min(schedule["total_steps"], cfg.max_steps) if cfg.max_steps else schedule["total_steps"]
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "train_config.json", json.dumps(
@@ -521,6 +537,16 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         optimizer.step()
         scheduler.step()
         step += 1
+        if calibrate and step == CALIBRATION_STEPS:
+            per_step = (time.perf_counter() - t0) / (step - first_step)
+            fits = max(CALIBRATION_STEPS + 1, int(cfg.max_hours * 3600 / per_step))
+            schedule.update(total_steps=min(total_steps, fits), warmup_steps=int(cfg.warmup * min(total_steps, fits)))
+            last = min(schedule["total_steps"], cfg.max_steps) if cfg.max_steps else schedule["total_steps"]
+            bar.total = last
+            calibrate = False
+            if is_main:
+                _log(log_path, writer, {"step": step, "calibrated_total_steps": schedule["total_steps"],
+                                        "seconds_per_step": round(per_step, 3)})
         bar.update(1)
         if is_main and (step % cfg.log_interval == 0 or step == last):
             acc = (slot_correct / slot_total.clamp(min=1)).tolist()
