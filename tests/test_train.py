@@ -589,3 +589,19 @@ def test_a_time_budget_sizes_the_schedule_once_and_resumes_with_it(lang, tmp_pat
     with pytest.raises(DFlashError, match="keeps its schedule"):
         train(cfg_for(root, tmp_path / "run", max_hours=0.01, resume=True, **kw), target=target, tokenizer=tok,
               progress=False)
+
+
+def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    import ablation_table
+
+    target, tok, root = lang
+    for name, layers in (("one", 1), ("two", 2)):
+        train(cfg_for(root, tmp_path / name, num_layers=layers, epochs=1, max_steps=6, eval_interval=3),
+              target=target, tokenizer=tok, progress=False)
+    rows = ablation_table.main([str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(tmp_path / "table")])
+    assert [r["depth"] for r in rows] == [1, 2] and all(r["steps"] == 6 for r in rows)
+    assert all(set(r["tau"]) == {"held-out"} and r["mean_tau"] >= 1 and len(r["curve"]) == 2 for r in rows)
+    out = capsys.readouterr().out
+    assert "| one | 44 | 1 | 8 |" in out and "held-out" in out.splitlines()[0]
+    assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,80 @@
+"""The recipe comparison, from training runs' own records: per run its data, depth, block, gamma, anchors,
+start, learning rate, schedule, hours and steps, and the last held-out evaluation (τ per test set, as
+`dflash train --eval-datasets` logs it); a markdown table, a plot of mean τ against hours (PNG) and one JSON line.
+
+    python scripts/ablation_table.py runs/train/r0 runs/train/r1 ... [--out runs/train/ablation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_card import stage  # noqa: E402  (a run's steps and wall time over all its sittings)
+
+
+def run_row(folder: Path) -> dict:
+    s = stage(str(folder))
+    cfg = s["cfg"]
+    log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()]
+    evals = [e for e in log if "eval" in e]
+    last = evals[-1] if evals else {}
+    curve, wall, prev = [], 0.0, 0.0  # mean τ against hours of training
+    for e in log:
+        if "seconds" in e:
+            if e["seconds"] < prev:
+                wall += prev
+            prev = e["seconds"]
+        if "eval_tau" in e:
+            curve.append(((wall + prev) / 3600, e["eval_tau"]))
+    return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"],
+            "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
+            "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
+            "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
+            "steps": s["steps"], "tau": {k: v["tau"] for k, v in last.get("eval", {}).items()},
+            "mean_tau": last.get("eval_tau"), "curve": curve}
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="`dflash train` output folders")
+    ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
+    args = ap.parse_args(argv)
+    rows = [run_row(Path(r)) for r in args.runs]
+    sets = sorted({k for r in rows for k in r["tau"]})
+    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
+        mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
+        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
+                                                  r["start"], r["lr"], r["hours"], r["steps"], *taus, mean])) + " |")
+    print("\n".join(lines))
+    if args.out:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        from dflash.io import atomic_write_text, save_png
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for r in rows:
+            if r["curve"]:
+                ax.plot(*zip(*r["curve"]), marker="o", label=r["run"])
+        ax.set_xlabel("hours of training")
+        ax.set_ylabel("held-out τ (mean over sets)")
+        ax.legend(fontsize=8)
+        save_png(fig, out / "ablation.png", dpi=100)
+        atomic_write_text(out / "ablation.json", json.dumps(rows, indent=2) + "\n")
+    print(json.dumps({r["run"]: r["mean_tau"] for r in rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
