@@ -137,21 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", formatter_class=fmt, help="measure DFlash against plain decoding",
                         description="Run AR and DFlash back to back on every prompt; print a table, write "
                         "results.json and plots, end with one JSON line.")
-    be.add_argument("--model", default=DEFAULT_MODEL, help="target (alias, folder, .gguf or hub id)")
-    be.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
-    be.add_argument("--datasets", default="gsm8k,math500,humaneval,mbpp,mt-bench", help="comma-separated")
-    be.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
-    be.add_argument("--num-prompts", type=_int_at_least(1), default=20, help="prompts per dataset")
-    be.add_argument("--max-new-tokens", type=_int_at_least(1), default=256, help="tokens per answer")
-    be.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    _measure_options(be, "gsm8k,math500,humaneval,mbpp,mt-bench", 20, 256)
     be.add_argument("--temperature", type=_float_in(0, 100), default=0.0, help="0 = greedy (outputs checked)")
     be.add_argument("--batch-size", type=_int_at_least(1), default=1, help="prompts per generate call")
     be.add_argument("--out", default="bench-out", help="folder for results.json and the plots")
-    be.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
     be.add_argument("--seed", type=int, default=0, help="seed for sampling")
-    be.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
-    be.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
-    be.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
                     "width), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
@@ -175,21 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Greedy speculative decoding at a fixed width on fixed test sets: τ and the "
                         "acceptance rate of each block slot given the slots before it; a table, results.json and "
                         "slot_acceptance.png, and one JSON line.")
-    ev.add_argument("--model", default=DEFAULT_MODEL, help="target (alias, folder, .gguf or hub id)")
-    ev.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
-    ev.add_argument("--datasets", default="gsm8k,mbpp,humaneval,mt-bench", help="comma-separated test sets")
-    ev.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
-    ev.add_argument("--num-prompts", type=_int_at_least(1), default=40, help="prompts per dataset")
-    ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens per answer")
-    ev.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    _measure_options(ev, "gsm8k,mbpp,humaneval,mt-bench", 40, 128)
     ev.add_argument("--batch-size", type=_int_at_least(1), default=8, help="prompts decoded together")
     ev.add_argument("--topk", default="1,2,4", help="also count, per slot, how often the target's token is among the "
                     "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
-    ev.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
-    ev.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
-    ev.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
-    ev.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
     _template_option(ev)
     _runtime_option(ev)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
@@ -213,6 +193,21 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
     bs.add_argument("--out", default="bench-serve-out", help="folder for results.json and the plot")
     return parser
+
+
+def _measure_options(p, datasets: str, num_prompts: int, max_new_tokens: int) -> None:
+    """What bench and evaluate share: the target, the draft, the prompts, where and how they run."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target (alias, folder, .gguf or hub id)")
+    p.add_argument("--draft", default=None, help="draft folder or hub id; None = the draft shipped for --model")
+    p.add_argument("--datasets", default=datasets, help="comma-separated test sets")
+    p.add_argument("--prompts", default=None, help="a JSONL prompt file instead of --datasets")
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=num_prompts, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=max_new_tokens, help="tokens per answer")
+    p.add_argument("--block-size", type=_int_at_least(2), default=None, help="None = the draft's own")
+    p.add_argument("--data-dir", default=None, help="folder of the datasets; None = $DFLASH_DATA_DIR")
+    p.add_argument("--dtype", default=None, help="None = bf16 on CPU, the model's own on GPU")
+    p.add_argument("--device", default=None, help="cpu | cuda; None = cuda when present")
+    p.add_argument("--threads", type=_int_at_least(1), default=None, help="None = physical cores")
 
 
 def _serve_options(p) -> None:
