@@ -265,7 +265,7 @@ class ModelRunner:
         self.budgets = TreeBudgetController(self.B) if self.tree_budget == "auto" else None
         most = (max(self.budgets.budgets) if self.budgets else self.tree_budget) if self.tree_budget else 0
         self.max_capacity = max_model_len + self.B + (most + self.B if most else 0)  # a tree's nodes at the end
-        self.lookup = NgramDraft(num_tokens=self.B - 1)
+        self.lookup = NgramDraft(num_tokens=self.B - 1) if self.tree_budget is not None else None
         self.device = next(target.parameters()).device
         self.runtime = runtime
         self.max_verify_tokens = max_verify_tokens
