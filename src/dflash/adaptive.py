@@ -159,7 +159,9 @@ class TreeBudgetController:
 
     def __init__(self, block_size: int, budgets: list[int] | None = None, *, prior_accepted: float = 0.5,
                  prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16, max_probe_every: int = 256):
-        self.budgets = sorted(set(budgets or [0, block_size - 1, 2 * (block_size - 1), 4 * (block_size - 1)]))
+        # small trees too: on a CPU each node costs about a token's verify, and the n-gram branch (added to
+        # any tree) alone already pays where the text repeats
+        self.budgets = sorted(set(budgets or [0, 2, 4, block_size, 2 * block_size, 4 * block_size]))
         self.cost = WidthController(block_size, decay=0.98)
         self.gain = {b: [prior_accepted, prior_weight] for b in self.budgets if b > 0}  # [mean accepted, weight]
         self.decay = decay
