@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One arm of the recipe comparison for the default model's draft (issue 25): equal wall-clock (--max-hours),
+# the same data, the same held-out evaluation (GSM8K, MBPP, HumanEval, MT-Bench test prompts). Resumable: rerun the
+# same arm. Then `python scripts/ablation_table.py runs/train/*/ --out runs/train/ablation` compares them.
+#
+#   DFLASH_DATA_DIR=../shared/data bash scripts/train_ablation.sh r0     # THREADS=1 HOURS=2 by default
+#
+# Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers;
+# r2 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights);
+# r6 128 anchors per sequence; r7 lr 1e-3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
+ARM="${1:?name an arm: r0..r7}"
+THREADS="${THREADS:-1}"
+HOURS="${HOURS:-2}"
+DATA="${DATA:-runs/data/first runs/data/rest480}"  # a fixed set: a resumed run must see the same data
+case "$ARM" in
+    r0) EXTRA=() ;;
+    r1) EXTRA=(--num-layers 2) ;;
+    r2) EXTRA=(--num-layers 3) ;;
+    r3) EXTRA=(--init-from-target) ;;
+    r4) EXTRA=(--block-size 16) ;;
+    r5) EXTRA=(--gamma 7) ;;
+    r6) EXTRA=(--num-anchors 128) ;;
+    r7) EXTRA=(--lr 1e-3) ;;
+    *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
+esac
+# shellcheck disable=SC2086
+dflash train --target smollm2-135m-instruct --data $DATA --output "runs/train/$ARM" \
+    --num-layers 1 --num-target-features 3 --block-size 8 --num-anchors 512 --lr 6e-4 --epochs 4 \
+    --max-hours "$HOURS" --warmup 0.04 --draft-vocab-size 8192 --max-length 1536 --autocast bfloat16 \
+    --eval-datasets gsm8k mbpp humaneval mt-bench --eval-prompts 10 --eval-max-new-tokens 64 --eval-interval 500 \
+    --save-interval 100 --save-dtype bfloat16 --log-interval 20 --threads "$THREADS" --resume "${EXTRA[@]}"
