@@ -1,7 +1,7 @@
 """Writes the model card of a trained draft from its runs' own records (nothing typed by hand).
 
-    python scripts/model_card.py --train RUN[:LAST_STEP] [--train FINE_TUNE ...] --data DATASET \
-        --bench BENCH_OUT --out CARD.md
+    python scripts/model_card.py --train RUN[:LAST_STEP] [--train FINE_TUNE ...] --data DATASET [--data ...] \
+        --bench BENCH_OUT [--evaluate EVALUATE_OUT] [--ablation ABLATION_JSON] --out CARD.md
 
 Several --train runs are stages in order, each one starting from the previous (`--init-draft`); LAST_STEP
 says where a stage was cut (its checkpoint that the next stage started from). When the first run started from
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 
@@ -42,6 +43,43 @@ def stage(spec: str) -> dict:
             "loss": steps[-1]["loss"] if steps else float("nan"), "tau": taus[-1]["eval_tau"] if taus else float("nan")}
 
 
+def data_counts(folder: Path) -> tuple[int, int]:
+    """(answers, answer tokens) of a regenerated or a packed (`dflash pack`) dataset folder."""
+    packed = sorted(folder.glob("packed-*.safetensors"))
+    if packed:
+        from safetensors import safe_open
+
+        n = t = 0
+        for f in packed:
+            with safe_open(str(f), "pt") as fh:
+                n += len(json.loads(fh.metadata()["records"]))
+                t += int(fh.get_tensor("answer_offsets")[-1])
+        return n, t
+    n = t = 0
+    for shard in sorted(folder.glob("shard-*.jsonl")):
+        for line in shard.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                if r.get("kind") is None:
+                    n += 1
+                    t += sum(r["loss_mask"])
+    return n, t
+
+
+def ablation_lines(path: Path) -> list[str]:
+    """The recipe comparison table of scripts/ablation_table.py's JSON."""
+    rows = json.loads(path.read_text())
+    sets = sorted({k for r in rows for k in r["tau"]})
+    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", *sets, "mean τ"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
+        mean = "" if r["mean_tau"] is None else f"{r['mean_tau']:.2f}"
+        out.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
+                                                r["start"], r["lr"], r["hours"], *taus, mean])) + " |")
+    return out
+
+
 def earlier_stages(card: Path) -> tuple[list[str], int, float]:
     """The stage lines of a draft's card, and its total optimizer steps and hours of training."""
     text = card.read_text()
@@ -56,21 +94,28 @@ def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--train", required=True, action="append",
                     help="a `dflash train` output folder, optionally :LAST_STEP; repeat for fine-tuning stages")
-    ap.add_argument("--data", required=True, help="the `dflash regenerate` dataset folder")
+    ap.add_argument("--data", required=True, action="append",
+                    help="a `dflash regenerate` (or `dflash pack`) dataset folder; repeat for several")
     ap.add_argument("--bench", required=True, help="the `dflash bench` output folder")
     ap.add_argument("--out", required=True, help="where to write the card")
     ap.add_argument("--earlier-card", help="card of the draft the first --train run started from")
+    ap.add_argument("--evaluate", help="a `dflash evaluate --out` folder: the held-out table and per-slot plot")
+    ap.add_argument("--ablation", help="scripts/ablation_table.py's ablation.json: the recipe comparison")
     args = ap.parse_args()
     stages = [stage(s) for s in args.train]
     before, before_steps, before_hours = earlier_stages(Path(args.earlier_card)) if args.earlier_card else ([], 0, 0.0)
     first = stages[0]["cfg"]
-    manifest = json.loads((Path(args.data) / "manifest.json").read_text())["settings"]
-    n_samples = n_tokens = 0
-    for shard in sorted(Path(args.data).glob("shard-*.jsonl")):
-        for line in shard.read_text().splitlines():
-            r = json.loads(line)
-            n_samples += 1
-            n_tokens += sum(r["loss_mask"])
+    data_lines, n_samples, n_tokens = [], 0, 0
+    for folder in map(Path, args.data):
+        manifest = json.loads((folder / "manifest.json").read_text())["settings"]
+        n, t = data_counts(folder)
+        n_samples, n_tokens = n_samples + n, n_tokens + t
+        data_lines.append(f"- `{folder.name}`: {n} answers ({t} answer tokens) written by the target itself "
+                          f"(`dflash regenerate`, temperature {manifest['temperature']}, up to "
+                          f"{manifest['max_new_tokens']} new tokens) for the prompt sets "
+                          f"{', '.join(manifest['sources'])}.")
+    if len(data_lines) > 1:
+        data_lines.append(f"- In all {n_samples} answers ({n_tokens} answer tokens).")
     # the table without the final JSON line (results.json holds the same numbers)
     table = "\n".join(line for line in (Path(args.bench) / "table.txt").read_text().strip().splitlines()
                       if not line.startswith("{"))
@@ -85,10 +130,9 @@ def main():
         "Generated by `scripts/model_card.py` from the training runs, their data and the benchmark.",
         "",
         "## Data",
-        f"- {n_samples} answers ({n_tokens} answer tokens) written by the target itself "
-        f"(`dflash regenerate`, temperature {manifest['temperature']}, up to {manifest['max_new_tokens']} new "
-        f"tokens) for the prompt sets {', '.join(manifest['sources'])}: training splits only. Training used "
-        f"{first['train_records']} of them and held out {first['eval_records']} for tau.",
+        *data_lines,
+        f"- Training splits and prompt sets only. Training used {first['train_records']} of them and held out "
+        f"{first['eval_records']}.",
         "",
         "## Draft",
         f"- {draft_cfg['num_hidden_layers']} draft layer(s), {shape}, target layers "
@@ -105,15 +149,35 @@ def main():
         # the chain's loss weighs unrolled step i by 0.8^i (dflash.eagle); gamma is DFlash's block-slot decay
         loss = (f"{c.get('ttt_steps') or c['block_size'] - 1} training-time-test steps" if eagle else
                 f"block size {c['block_size']}, gamma {c['gamma']:.2f}")
+        schedule = c.get("schedule") or {}
+        span = (f"cosine over {schedule['total_steps']} steps, a {schedule['max_hours']} h budget"
+                if schedule.get("max_hours") else
+                f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
         lines.append(
             f"- Stage {i + 1}, from {start}: {loss}, "
-            f"{c['num_anchors']} anchors per sequence, lr {c['lr']} (cosine over {c['epochs']} epoch(s) of "
-            f"{c['total_steps'] // c['epochs']} steps), max length {c['max_length']}: {s['steps']} optimizer steps, "
+            f"{c['num_anchors']} anchors per sequence, lr {c['lr']} ({span}), max length {c['max_length']}: "
+            f"{s['steps']} optimizer steps, "
             f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f}.")
     total = before_hours + sum(s["wall"] for s in stages) / 3600
     lines += [f"- In all {before_steps + sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
-              f"({first['dtype']} target, {first['threads']} threads, {first['device'] or 'cpu'}).", "",
-              "## Benchmark (`dflash bench`)", "```", table, "```", ""]
+              f"({first['dtype']} target, {first['threads']} threads, {first['device'] or 'cpu'}).", ""]
+    if args.evaluate:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+        import shutil
+
+        from dflash.evaluate import format_table
+
+        results = json.loads((Path(args.evaluate) / "results.json").read_text())
+        shutil.copy(Path(args.evaluate) / "slot_acceptance.png", Path(args.out).parent / "slot_acceptance.png")
+        cfg = results["config"]
+        lines += ["## Held-out evaluation (`dflash evaluate`)",
+                  f"Greedy, block {results['block_size']}, fixed width, {cfg['num_prompts']} test prompts per set, "
+                  f"{cfg['max_new_tokens']} new tokens, {results['hardware']}. τ, and per block slot the share of "
+                  "steps that accepted it among those that accepted every slot before it:", "",
+                  format_table(results), "", "![per-slot acceptance](slot_acceptance.png)", ""]
+    if args.ablation:
+        lines += ["## Recipe comparison (`scripts/ablation_table.py`)", *ablation_lines(Path(args.ablation)), ""]
+    lines += ["## Benchmark (`dflash bench`)", "```", table, "```", ""]
     Path(args.out).write_text("\n".join(lines))
 
 

@@ -69,3 +69,35 @@ def test_card_carries_over_the_stages_of_an_earlier_card(tmp_path):
     assert stage1 in card.splitlines()
     assert "Stage 2, from the previous stage" in card and "held-out tau 2.00" in card
     assert "In all 70 steps and 1.58 h of training" in card
+
+
+def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    paths = _inputs(tmp_path)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / "manifest.json").write_text(json.dumps(
+        {"settings": {"temperature": 0.8, "max_new_tokens": 64, "sources": ["self:100"]}}))
+    save_file({"answer_offsets": torch.tensor([0, 4, 9])}, str(packed / "packed-000000-000002.safetensors"),
+              metadata={"records": json.dumps([["self:0", "stop"], ["self:1", "length"]])})
+    evaluate = tmp_path / "eval"
+    evaluate.mkdir()
+    (evaluate / "results.json").write_text(json.dumps({
+        "block_size": 3, "hardware": "a CPU", "config": {"num_prompts": 40, "max_new_tokens": 128},
+        "datasets": {"gsm8k": {"tau": 2.5, "slot_acceptance": [0.9, 0.7], "steps": 50}}}))
+    (evaluate / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
+    (tmp_path / "ablation.json").write_text(json.dumps([
+        {"run": "r0", "data": 9, "depth": 1, "block": 8, "gamma": 3.27, "anchors": 512, "start": "fresh", "lr": 6e-4,
+         "hours": 2.0, "tau": {"gsm8k": 2.1}, "mean_tau": 2.1}]))
+    run = _run_folder(tmp_path / "run", sittings=[[(10, 3600.0)]], tau=2.0, method="dflash",
+                      schedule={"total_steps": 30, "max_hours": 1.0})
+    card_path = tmp_path / "card" / "README.md"
+    card_path.parent.mkdir()
+    card = _card("--train", run, "--data", paths["data"], "--data", packed, "--bench", paths["bench"],
+                 "--evaluate", evaluate, "--ablation", tmp_path / "ablation.json", "--out", card_path)
+    assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
+    assert "cosine over 30 steps, a 1.0 h budget" in card
+    assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
+    assert "| r0 | 9 | 1 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 2.10 | 2.10 |" in card
