@@ -4,7 +4,7 @@ Speculative decoding pays off only while verifying a block of rows costs little 
 is a property of the matmul kernels on the hardware, not of the draft. This times the target's own layer
 shapes (q/k/v, gate/up, down, LM head) with each kernel the runtimes use: fp32 `F.linear`, bf16 (prepacked
 for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int4: PyTorch's
-and, with AVX-512 VNNI, dflash's). Then the same for all the decoder layers' products with each layer's own
+and each build of dflash's this CPU runs: AVX-512 VNNI, AVX2). Then the same for all the decoder layers' products with each layer's own
 weights, which is what a step streams from memory (the per-shape figures reuse one weight from cache). Prints a
 table of microseconds and the cost of M rows over one row, and ends with one JSON line.
 
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dflash import kernels
+from dflash import kernels, machine
 from dflash.fast import Int4Weight, Int8Weight
 from dflash.loading import DEFAULT_MODEL, load_target
 from dflash.machine import hardware
@@ -54,7 +54,11 @@ def _products(w: torch.Tensor, fp32: bool = True) -> dict:
     if w.shape[1] % 32 == 0:
         out["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
         if kernels.int4_kernel() and w.shape[0] % 16 == 0:
-            out["int4 dflash"] = lambda x, q=Int4Weight(wb, ours=True): q.linear(x, None)
+            q4 = Int4Weight(wb, ours=True)
+            flags = machine.cpu_flags() or set()
+            for build, (needs, _) in kernels.INT4_BUILDS.items():  # each build this CPU runs (same bits)
+                if needs <= flags and kernels._int4_build(build) is None:
+                    out[f"int4 {build}"] = lambda x, op=kernels.int4_op(build), q=q4: op(x, q.qweight, q.scales)
     return out
 
 
@@ -93,11 +97,11 @@ def main():
         for kname in stack[0][1]:
             results.setdefault(f"{c.num_hidden_layers} layers", {})[kname] = _timed(
                 lambda m: [fns[kname](xs[m][n_in]) for n_in, fns in stack])
-    print(f"{'shape':10s} {'kernel':12s} " + " ".join(f"{f'{m} row us':>10s}" for m in ROWS) + "   "
+    print(f"{'shape':10s} {'kernel':16s} " + " ".join(f"{f'{m} row us':>10s}" for m in ROWS) + "   "
           + " ".join(f"{f'x{m}':>5s}" for m in ROWS[1:]))
     for name, per in results.items():
         for kname, r in per.items():
-            print(f"{name:10s} {kname:12s} " + " ".join(f"{u:10.1f}" for u in r["us"]) + "   "
+            print(f"{name:10s} {kname:16s} " + " ".join(f"{u:10.1f}" for u in r["us"]) + "   "
                   + " ".join(f"{x:5.2f}" for x in r["ratio_to_1_row"][1:]))
     print(json.dumps({"model": args.model, "hardware": hardware("cpu"), "threads": torch.get_num_threads(),
                       "rows": ROWS, "shapes": {k: list(v) for k, v in shapes.items()}, "results": results}))
