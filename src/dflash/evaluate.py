@@ -107,10 +107,10 @@ def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int], 
     with every answer position as anchor and the target's text as context (teacher-forced, so a slot is counted
     whatever the slots before it proposed). k = 1 is the chain's per-slot accuracy; the gain at k > 1 is what
     candidate trees (dflash.tree) can take."""
-    from .train import DFlashTrainStep, block_inputs, target_features
+    from .model import block_inputs
+    from .target import target_features
 
     draft.config.block_size, saved = block_size, draft.config.block_size
-    step = DFlashTrainStep(draft, 1.0)
     hits = torch.zeros(len(ks), block_size - 1)
     counted = torch.zeros(block_size - 1)
     weight, bias, rows = draft._proposal_head()
@@ -121,8 +121,9 @@ def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int], 
             if len(anchors) == 0:
                 continue
             feats = target_features(target, draft.config.target_layer_ids, ids).to(draft.fc.weight.dtype)
-            hidden = step.block_hidden(feats, ids.to(feats.device), anchors)[:, 1:]  # [n, B-1, H]
-            _, _, labels = block_inputs(ids, torch.ones_like(ids), anchors, block_size, draft.config.mask_token_id)
+            block_ids, block_pos, labels = block_inputs(ids, torch.ones_like(ids), anchors, block_size,
+                                                        draft.config.mask_token_id)
+            hidden = draft.packed_blocks(feats, block_ids, block_pos, anchors)[:, 1:]  # [n, B-1, H]
             logits = linear(hidden.reshape(-1, hidden.shape[-1]).to(draft.lm_head.weight.dtype), weight, bias)
             top = logits.topk(max(ks), -1).indices.view(*labels.shape, -1).cpu()
             top = top if rows is None else rows.cpu()[top]

@@ -493,6 +493,18 @@ class DFlashDraftModel(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
+    def packed_blocks(self, features, block_ids, block_pos, anchors) -> torch.Tensor:
+        """Training (and teacher-forced measuring): final hidden states [n, B, H] of n blocks of one sequence in
+        one packed forward. The whole sequence is context (features [T, n_ids*H]); block i (block_ids,
+        block_pos [n*B], see block_inputs) sees the part before anchors[i]."""
+        B, T = self.config.block_size, features.shape[0]
+        dev = features.device
+        block_ids, block_pos = block_ids.to(dev).view(-1, B), block_pos.to(dev).view(-1, B)
+        ctx_pos = torch.arange(T, device=dev)
+        ctx_kv = [(k[0], v[0]) for k, v in self.context_kv(features[None], ctx_pos[None])]
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        return self.run_blocks(x, block_pos, ctx_kv, anchors.to(dev), ctx_pos)
+
     def set_draft_vocab(self, token_ids) -> None:
         """Restricts proposals to `token_ids` (None: the whole vocabulary). On a CPU the LM head over 15 mask
         slots can cost as much as the draft itself; the few thousand most frequent answer tokens cover most
@@ -622,6 +634,26 @@ def _weighted_ce(h, weight, bias, labels, w) -> tuple[torch.Tensor, torch.Tensor
         total = total + ce
         predicted.append(p)
     return total, torch.cat(predicted)
+
+
+def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 mask_token_id: int):
+    """Packed blocks for one sequence.
+
+    Returns block_ids [n*B] ([x_a, MASK...] per anchor), block_pos [n*B] (a..a+B-1), labels [n, B-1]
+    (x_{a+k} for slot k, -100 past the end or on unsupervised tokens).
+    """
+    T = input_ids.shape[0]
+    B = block_size
+    offs = torch.arange(B)
+    pos = anchors[:, None] + offs  # [n, B]
+    block_ids = torch.full((len(anchors), B), mask_token_id, dtype=torch.long)
+    block_ids[:, 0] = input_ids[anchors]
+    tgt = pos[:, 1:]
+    inside = tgt < T
+    safe = tgt.clamp(max=T - 1)
+    labels = torch.where(inside & loss_mask[safe].bool(), input_ids[safe], torch.full_like(safe, -100))
+    return block_ids.flatten(), pos.flatten(), labels
 
 
 def check_fits(config: DFlashConfig, target) -> None:

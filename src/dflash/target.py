@@ -195,3 +195,12 @@ class TargetAdapter:
             idx = (start + index)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys[:, :, start:start + m] = layer.keys.gather(2, idx)
             layer.values[:, :, start:start + m] = layer.values.gather(2, idx)
+
+
+@torch.no_grad()
+def target_features(target, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
+    """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]."""
+    with tap_layers(decoder_layers(target), layer_ids) as got:
+        # logits_to_keep=1 skips most of the LM head; only the tapped layer outputs are wanted
+        target(input_ids=input_ids[None].to(target.device), use_cache=False, logits_to_keep=1)
+    return torch.cat([got[i][0] for i in layer_ids], -1)

@@ -27,7 +27,8 @@ from .config import DRAFT_METHODS
 from .eagle import Eagle3DraftModel, Eagle3TrainStep
 from .errors import DFlashError
 from .io import atomic_write_text, normal_permissions, save_png
-from .model import DFlashDraftModel, head_loss
+from .model import DFlashDraftModel, block_inputs, head_loss
+from .target import target_features
 
 
 @dataclass
@@ -120,26 +121,6 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return cand
 
 
-def block_inputs(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                 mask_token_id: int):
-    """Packed blocks for one sequence.
-
-    Returns block_ids [n*B] ([x_a, MASK...] per anchor), block_pos [n*B] (a..a+B-1), labels [n, B-1]
-    (x_{a+k} for slot k, -100 past the end or on unsupervised tokens).
-    """
-    T = input_ids.shape[0]
-    B = block_size
-    offs = torch.arange(B)
-    pos = anchors[:, None] + offs  # [n, B]
-    block_ids = torch.full((len(anchors), B), mask_token_id, dtype=torch.long)
-    block_ids[:, 0] = input_ids[anchors]
-    tgt = pos[:, 1:]
-    inside = tgt < T
-    safe = tgt.clamp(max=T - 1)
-    labels = torch.where(inside & loss_mask[safe].bool(), input_ids[safe], torch.full_like(safe, -100))
-    return block_ids.flatten(), pos.flatten(), labels
-
-
 class DFlashTrainStep(nn.Module):
     """Loss of one sequence; a module so DistributedDataParallel can wrap it."""
 
@@ -156,18 +137,7 @@ class DFlashTrainStep(nn.Module):
         cfg = self.draft.config
         block_ids, block_pos, _ = block_inputs(input_ids.cpu(), torch.ones_like(input_ids.cpu()), anchors.cpu(),
                                                cfg.block_size, cfg.mask_token_id)
-        return self._hidden(features, block_ids, block_pos, anchors)
-
-    def _hidden(self, features, block_ids, block_pos, anchors):
-        d = self.draft
-        B, T = d.config.block_size, features.shape[0]
-        dev = features.device
-        block_ids, block_pos = block_ids.to(dev).view(-1, B), block_pos.to(dev).view(-1, B)
-        ctx_pos = torch.arange(T, device=dev)
-        # the whole sequence is context; each block sees the part before its anchor
-        ctx_kv = [(k[0], v[0]) for k, v in d.context_kv(features[None], ctx_pos[None])]
-        x = d.embed_tokens(block_ids).to(d.fc.weight.dtype)
-        return d.run_blocks(x, block_pos, ctx_kv, anchors.to(dev), ctx_pos)
+        return self.draft.packed_blocks(features, block_ids, block_pos, anchors)
 
     def forward(self, features, input_ids, loss_mask, anchors):
         """Weighted loss of one sequence, and (correct, counted) predictions per block slot."""
@@ -175,7 +145,7 @@ class DFlashTrainStep(nn.Module):
         block_ids, block_pos, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(),
                                                     d.config.block_size, d.config.mask_token_id)
         labels = labels.to(features.device)
-        hidden = self._hidden(features, block_ids, block_pos, anchors)[:, 1:]  # predictions come from the mask slots
+        hidden = d.packed_blocks(features, block_ids, block_pos, anchors)[:, 1:]  # predictions: the mask slots
         counted = labels != -100
         w = self.weights.to(features.device).expand_as(labels)
         loss, correct = head_loss(d, hidden, labels, w)
@@ -183,17 +153,6 @@ class DFlashTrainStep(nn.Module):
 
 
 # ---- target features -------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def target_features(target, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-    """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]."""
-    from .target import decoder_layers, tap_layers
-
-    with tap_layers(decoder_layers(target), layer_ids) as got:
-        # logits_to_keep=1 skips most of the LM head; only the tapped layer outputs are wanted
-        target(input_ids=input_ids[None].to(target.device), use_cache=False, logits_to_keep=1)
-    return torch.cat([got[i][0] for i in layer_ids], -1)
-
 
 class FeatureStore:
     """Target features cached on disk by `dflash features`: one safetensors shard per chunk of records."""
