@@ -5,6 +5,8 @@
 #   self-answers/  greedy answers to prompts the target wrote itself (self-prompts/: sampled user turns)
 #   sampled-1/     a second, sampled answer (temperature 0.8) to the first 3104 prompts
 # Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
+# Chunks already packed into data/smollm2-135m-instruct/<part>/ (committed, so they outlive runs/ and the machine)
+# are not answered again; keep them with `dflash pack runs/data/<part> -o data/smollm2-135m-instruct/<part>`.
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_training_data.sh
 set -euo pipefail
@@ -15,17 +17,20 @@ WORK="$(mkdir -p "${WORK:-runs/data}" && cd "${WORK:-runs/data}" && pwd)"
 THREADS="${THREADS:-2}"
 SELF_PROMPTS="${SELF_PROMPTS:-6000}"
 COMMON=(--model smollm2-135m-instruct --no-draft --max-new-tokens 512 --threads "$THREADS")
+KEPT="$PWD/data/smollm2-135m-instruct"
+kept() { if [ -f "$KEPT/$1/manifest.json" ]; then echo --packed "$KEPT/$1"; fi; }
 
-dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/first" --limit 3104 --batch-size 32 "${COMMON[@]}"
+dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/first" --limit 3104 --batch-size 32 "${COMMON[@]}" $(kept first)
 
 if [ ! -d "$WORK/rest" ]; then
     cp -r "$DFLASH_DATA_DIR/regen-smollm2" "$WORK/rest.tmp" && chmod -R u+w "$WORK/rest.tmp" && mv "$WORK/rest.tmp" "$WORK/rest"
 fi
-(cd "$WORK/rest" && dflash regenerate rest-prompts.jsonl -o answers --batch-size 32 "${COMMON[@]}")
+(cd "$WORK/rest" && dflash regenerate rest-prompts.jsonl -o answers --batch-size 32 "${COMMON[@]}" $(kept rest))
 
 dflash regenerate "self:$SELF_PROMPTS" -o "$WORK/self-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
     --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
-dflash regenerate "$WORK/self-prompts" -o "$WORK/self-answers" --batch-size 32 "${COMMON[@]}"
+dflash regenerate "$WORK/self-prompts" -o "$WORK/self-answers" --batch-size 32 "${COMMON[@]}" \
+    $(kept self-answers)
 
 dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/sampled-1" --limit 3104 --batch-size 32 --temperature 0.8 \
-    --seed 1 "${COMMON[@]}"
+    --seed 1 "${COMMON[@]}" $(kept sampled-1)

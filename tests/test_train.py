@@ -427,6 +427,23 @@ def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeyp
     with pytest.raises(DFlashError, match="other settings"):
         regenerate(RegenerateConfig(output=str(tmp_path / "split"), **{**cfg, "max_new_tokens": 13}),
                    target=target, tokenizer=tok, progress=False)
+    # runs/ gone (another machine), two chunks kept by `dflash pack`: only the other four are answered, as before
+    from dflash.dataset import pack
+
+    kept = tmp_path / "kept"
+    shutil.copytree(tmp_path / "split", kept)
+    for f in sorted(kept.glob("shard-*"))[2:]:
+        f.unlink()
+    pack(kept, tmp_path / "packed")
+    summary = regenerate(RegenerateConfig(output=str(tmp_path / "fresh"), packed=str(tmp_path / "packed"), **cfg),
+                         target=target, tokenizer=tok, progress=False)
+    assert summary["written_now"] == 48 - 16
+    fresh = sorted(p.name for p in (tmp_path / "fresh").glob("shard-*"))
+    assert fresh == whole[2:] and all((tmp_path / "fresh" / n).read_text() == (tmp_path / "whole" / n).read_text()
+                                      for n in fresh)
+    with pytest.raises(DFlashError, match="other settings"):
+        regenerate(RegenerateConfig(output=str(tmp_path / "other"), packed=str(tmp_path / "packed"),
+                                    **{**cfg, "seed": 4}), target=target, tokenizer=tok, progress=False)
 
 
 def test_the_target_writes_prompts_that_a_second_run_answers(lang, tmp_path):

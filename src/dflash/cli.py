@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     reg.add_argument("--data-dir", default=None, help="folder of the named sets; None = $DFLASH_DATA_DIR")
     reg.add_argument("--base-url", default=None, help="an OpenAI-compatible server running --model (ours, vLLM, "
                      "SGLang), e.g. http://host:8000/v1; None = run the model here")
+    reg.add_argument("--packed", default=None, help="a folder `dflash pack` made from this same run (e.g. committed "
+                     "from another machine): the chunks it holds are not answered again")
     reg.set_defaults(max_new_tokens=512)
     pk = sub.add_parser("pack", formatter_class=fmt, help="keep regenerated answers as token ids (for a repository)",
                         description="Store the finished shards of a regenerated folder as immutable safetensors "
@@ -467,7 +469,8 @@ def cmd_regenerate(args) -> int:
                            max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, batch_size=args.batch_size, limit=args.limit, seed=args.seed,
                            system=args.system, base_url=args.base_url, runtime=args.runtime,
-                           chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+                           chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
+                           packed=args.packed)
     if args.base_url:  # the server runs the model; only its tokenizer is needed here
         regenerate(cfg, data_dir=args.data_dir)
         return 0

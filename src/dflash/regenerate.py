@@ -27,6 +27,7 @@ from .io import atomic_write_text
 from .prompts import BadLine, Prompt, encode_prompt, left_pad, pad_id_for, read_prompts, user_turn_prefix
 
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
+PACKED_SHARD = re.compile(r"^packed-(\d+)-(\d+)\.safetensors$")
 SELF = re.compile(r"^self:(\d+)$")  # a source of N prompts that the target writes itself
 SELF_PROMPT = "self-prompt"  # the kind of such a record: a prompt to answer, not training data
 
@@ -49,11 +50,12 @@ class RegenerateConfig:
     base_url: str | None = None  # an OpenAI-compatible server that runs the model (ours, vLLM, SGLang)
     runtime: str = "auto"  # the local target's forward (dflash.fast)
     chat_template_kwargs: dict | None = None  # the template's options, e.g. {"enable_thinking": False}
+    packed: str | None = None  # a `dflash pack` folder of this same run: the chunks it holds are not generated again
 
     def identity(self) -> dict:
         """Settings a resumed run must share with the run that started the folder."""
         d = asdict(self)  # batch_size stays: chunk boundaries must not move
-        del d["output"], d["limit"], d["base_url"], d["runtime"]  # where/how the model runs may change
+        del d["output"], d["limit"], d["base_url"], d["runtime"], d["packed"]  # where/how the model runs may change
         if d["chat_template_kwargs"] is None:  # as folders made before the option existed say it
             del d["chat_template_kwargs"]
         return d
@@ -70,6 +72,20 @@ def fixed_order(items: list, batch_size: int, seed: int, window: int = 8) -> lis
 
 def done_chunks(output: Path) -> set[int]:
     return {int(m.group(1)) for p in output.glob("shard-*.jsonl") if (m := SHARD.match(p.name))}
+
+
+def packed_chunks(folder: str | os.PathLike, cfg: RegenerateConfig) -> set[int]:
+    """Chunks already kept by `dflash pack` (say, committed from another machine), so that a run whose `runs/`
+    folder is gone does not answer them again. The packed folder must come from a run with the same settings."""
+    folder = Path(folder)
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise DFlashError(f"--packed {folder}: not a packed dataset folder (no manifest.json)")
+    settings = json.loads(manifest.read_text()).get("settings")
+    if settings != cfg.identity():
+        raise DFlashError(f"--packed {folder} holds answers made with other settings ({settings}); "
+                          "its chunks cannot stand for this run's")
+    return {int(m.group(1)) for p in folder.glob("packed-*.safetensors") if (m := PACKED_SHARD.match(p.name))}
 
 
 def _check_manifest(output: Path, cfg: RegenerateConfig) -> None:
@@ -130,7 +146,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
         encoded = encoded[:cfg.limit]
     n = len(encoded)
     starts = list(range(0, n, cfg.batch_size))
-    finished = done_chunks(output)
+    finished = done_chunks(output) | (packed_chunks(cfg.packed, cfg) if cfg.packed else set())
     todo = [s for s in starts if s not in finished]
     pad_id = pad_id_for(tokenizer, stop_ids)
     t0, new_tokens, written = time.perf_counter(), 0, 0
