@@ -3,7 +3,7 @@
 Speculative decoding pays off only while verifying a block of rows costs little more than decoding one; that
 is a property of the matmul kernels on the hardware, not of the draft. This times the target's own layer
 shapes (q/k/v, gate/up, down, LM head) with each kernel the runtimes use: fp32 `F.linear`, bf16 (prepacked
-for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int4: PyTorch's
+for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int8: PyTorch's per row and dflash's Q8_0; int4: PyTorch's
 and each build of dflash's this CPU runs: AVX-512 VNNI, AVX2). Then the same for all the decoder layers' products with each layer's own
 weights, which is what a step streams from memory (the per-shape figures reuse one weight from cache). Prints a
 table of microseconds and the cost of M rows over one row, and ends with one JSON line.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import kernels, machine
-from dflash.fast import Int4Weight, Int8Weight
+from dflash.fast import Int4Weight, Int8Weight, Q8Weight
 from dflash.loading import DEFAULT_MODEL, load_target
 from dflash.machine import hardware
 
@@ -51,6 +51,8 @@ def _products(w: torch.Tensor, fp32: bool = True) -> dict:
     out = {"fp32": lambda x: F.linear(x.float(), w)} if fp32 else {}
     out["bf16" + (" packed" if kernels.packable(wb) else "")] = lambda x: kernels.linear(x, wb)
     out["int8"] = lambda x, q=Int8Weight(wb): q.linear(x, None)
+    if Q8Weight.fits(wb):  # Q8_0 on dflash's kernel (the int4 runtime's LM head)
+        out["q8_0 dflash"] = lambda x, q=Q8Weight(wb): q.linear(x, None)
     if w.shape[1] % 32 == 0:
         out["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
         if kernels.int4_kernel() and w.shape[0] % 16 == 0:

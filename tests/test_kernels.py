@@ -106,11 +106,16 @@ def test_bf16_generation_is_the_same_with_and_without_packing(monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip(packed, plain))
 
 
+@pytest.mark.parametrize("ours", [True, False])
 @pytest.mark.parametrize("draft_vocab", [None, list(range(0, 96, 3))])  # tiny vocabularies have 96 tokens
-def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_exact(monkeypatch, draft_vocab):
+def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_exact(monkeypatch, draft_vocab, ours):
     from dflash import DFlashDraftModel, ar_generate, spec_generate
     from tiny import ragged_batch, tiny_target
 
+    if ours and not kernels.int4_kernel():
+        pytest.skip("the Q8_0 head runs on dflash's kernels: an x86 CPU with AVX2, FMA and F16C and a C++ compiler")
+    if not ours:  # PyTorch's int8 kernel, per row
+        monkeypatch.setenv("DFLASH_INT4_KERNEL", "torch")
     monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)
     target = tiny_target("llama", seed=6).bfloat16()
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
@@ -118,7 +123,7 @@ def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_
     ids, mask = ragged_batch([4, 9], seed=7)
     kw = dict(max_new_tokens=12, stop_token_ids=[], runtime="fast")
     spec = spec_generate(target, draft, ids, mask, **kw)
-    assert isinstance(draft._proposal_head()[0], kernels.Int8Weight)
+    assert isinstance(draft._proposal_head()[0], kernels.Q8Weight if ours else kernels.Int8Weight)
     assert torch.equal(spec, ar_generate(target, ids, mask, **kw))
 
 
@@ -201,6 +206,56 @@ def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
         kernels.Int4Weight(torch.randn(40, 64), ours=True)
 
 
+def _q8_reference(x: torch.Tensor, w: kernels.Q8Weight) -> torch.Tensor:
+    """What the kernel's q8_linear computes, in fp32 from its layout: Q8_0 weights times int8-rounded inputs."""
+    tiles, quads, _ = w.qweight.shape
+    q = w.qweight.view(tiles, quads, 8, 4).permute(0, 2, 1, 3).reshape(tiles * 8, quads * 4).float()
+    scale = w.scales.float().permute(0, 2, 1).reshape(tiles * 8, -1).repeat_interleave(32, -1)
+    groups = x.bfloat16().float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127) / amax
+    xq = ((groups * torch.where(amax > 0, inv, 0)).round() * (amax / 127)).view(x.shape)
+    return xq @ (q * scale).T
+
+
+@pytest.mark.parametrize("build", list(kernels.INT4_BUILDS))
+def test_q8_head_kernel_does_the_reference_arithmetic_alone_as_in_a_batch_in_every_build(build):
+    if build not in _int4_builds_here():
+        pytest.skip(f"the {build} build of dflash's kernels needs {sorted(kernels.INT4_BUILDS[build][0])} "
+                    "and a C++ compiler")
+    g = torch.Generator().manual_seed(4)
+    w = kernels.Q8Weight(torch.randn(200, 96, generator=g))  # 25 tiles of 8: every tile grouping and a tail
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):  # every row template, passes of 4 rows and their tails
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        x[0, 32:64] = 0  # an all-zero group has no int8 step
+        y = kernels.int4_op(build, "q8_linear")(x, w.qweight, w.scales)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+        ref = _q8_reference(x, w)
+        assert torch.allclose(y.float(), ref, rtol=2 ** -8, atol=1e-3 * ref.abs().max()), rows
+        assert torch.equal(torch.cat([kernels.int4_op(build, "q8_linear")(x[i:i + 1].clone(), w.qweight, w.scales)
+                                      for i in range(rows)]), y), rows
+        for other in _int4_builds_here():
+            assert torch.equal(kernels.int4_op(other, "q8_linear")(x, w.qweight, w.scales), y), (build, other, rows)
+    # Q8_0 keeps the weight to within half a step of its group
+    ref_w = torch.randn(16, 64, generator=g)
+    back = _q8_reference(torch.eye(64), kernels.Q8Weight(ref_w)).T
+    assert (back - ref_w).abs().max() <= ref_w.abs().max() / 127
+
+
+@needs_int4_kernel
+def test_q8_kernel_inside_torch_compile_and_on_bad_input():
+    w = kernels.Q8Weight(torch.randn(24, 64))
+    x = torch.randn(2, 3, 64)
+    compiled = torch.compile(lambda x: w.linear(x, None), fullgraph=True)
+    assert torch.equal(compiled(x), w.linear(x, None))
+    with pytest.raises(RuntimeError, match="q8_linear: x has 32 inputs, the weight 64"):
+        kernels.int4_op(name="q8_linear")(torch.randn(2, 32).bfloat16(), w.qweight, w.scales)
+    with pytest.raises(RuntimeError, match="q8_linear: qweight must be a contiguous int8"):
+        kernels.int4_op(name="q8_linear")(x.view(6, 64).bfloat16(), w.qweight.view(torch.uint8), w.scales)
+    with pytest.raises(DFlashConfigError, match="outputs a multiple of 8"):
+        kernels.Q8Weight(torch.randn(12, 64))
+
+
 def _attention_case(b, heads, kv_heads, nq, T, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, heads, nq, d, generator=g)
@@ -254,3 +309,22 @@ def test_cache_attention_refuses_what_it_cannot_take():
         torch.ops.dflash_attn.cache_attention(q[..., :40], k[..., :40], v[..., :40], visible, 0.1)
     with pytest.raises(RuntimeError, match="must both be fp32 or both bf16"):
         torch.ops.dflash_attn.cache_attention(q, k.half(), v.half(), visible, 0.1)
+
+
+@needs_attention_kernel
+def test_rms_norm_kernel_is_hfs_norm_and_a_row_does_not_depend_on_the_batch():
+    from dflash.fast import _norm
+
+    g = torch.Generator().manual_seed(5)
+    module = torch.nn.Module()
+    module.weight, module.eps = torch.nn.Parameter((1 + torch.randn(96, generator=g) / 4).bfloat16()), 1e-5
+    x = (torch.randn(7, 96, generator=g) * 3).bfloat16()
+    y = torch.ops.dflash_attn.rms_norm(x, module.weight, module.eps)
+    ref = _norm(module, x)  # HF's arithmetic through PyTorch's ops
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=0)
+    assert (y == ref).float().mean() > 0.95  # at most an fp32 ulp before the rounding to bf16 differs
+    assert torch.equal(torch.cat([torch.ops.dflash_attn.rms_norm(x[i:i + 1].clone(), module.weight, 1e-5)
+                                  for i in range(7)]), y)
+    assert torch.equal(torch.ops.dflash_attn.rms_norm(x.t().contiguous().t(), module.weight, 1e-5), y)  # strided
+    with pytest.raises(RuntimeError, match="rms_norm: x must be a bf16 CPU tensor"):
+        torch.ops.dflash_attn.rms_norm(x.float(), module.weight, 1e-5)

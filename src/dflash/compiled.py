@@ -42,7 +42,7 @@ def tensors_of(objs) -> list[torch.Tensor]:
             found.update((id(t), t) for t in (*o.parameters(), *o.buffers()))
         elif isinstance(o, (list, tuple)):
             found.update((id(t), t) for t in tensors_of(o))
-        elif o is not None and not isinstance(o, (str, int, float, bool)):
+        elif hasattr(o, "__dict__") and not callable(o):  # an operator (a kernel's handle) holds no weights
             found.update((id(t), t) for t in tensors_of(vars(o).values()))
     return list(found.values())
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashConfigError
-from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, int4_kernel, packable
+from .kernels import Int4Weight, Int8Weight, PackedWeight, Q8Weight, cache_attention_kernel, int4_kernel, packable
 from .compiled import compile_frozen
 from .target import TargetAdapter, decoder_layers
 
@@ -109,10 +109,19 @@ class _Layer:
         self.parts = (qkv, (a.o_proj,), gu, (m.down_proj,))
 
 
+def _eps(module: nn.Module) -> float:
+    return getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+
+
 def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # as HF's RMSNorm: statistics in fp32, the weight applied in the input's dtype
-    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
-    return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=_eps(module)).to(x.dtype)
+
+
+def _kernel_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    # the same arithmetic in one op (kernels.cache_attention_kernel's library): PyTorch's takes five ops and tens
+    # of microseconds for a step's few bf16 rows
+    return torch.ops.dflash_attn.rms_norm(x, module.weight, _eps(module))
 
 
 class FastForward:
@@ -132,8 +141,9 @@ class FastForward:
         self.embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
         # a 4-bit model keeps its output layer at 8 bits, as 4-bit GGUF files store it (Q8_0 or Q6_K): the logits
-        # decide every token
-        self.head_weight = _prepared(head.weight, "int8" if quantize == "int4" else quantize)
+        # decide every token. Q8_0's groups of 32 on dflash's kernel where it runs, else int8 per row
+        self.head_weight = (Q8Weight(head.weight) if quantize == "int4" and Q8Weight.fits(head.weight) else
+                            _prepared(head.weight, "int8" if quantize == "int4" else quantize))
         self.head_bias = getattr(head, "bias", None)
         inner = model.get_decoder()
         self.rotary = inner.rotary_emb
@@ -150,6 +160,8 @@ class FastForward:
         # memory: ~34 GB a layer for a 16k-token prompt of an 8B model); with the key/value heads expanded to the
         # query heads it runs the fused memory-efficient kernel
         self.expand_kv = not on_cpu and self.gqa
+        self.norm = _kernel_norm if (on_cpu and dtype == torch.bfloat16 and cfg.hidden_size % 16 == 0 and
+                                     self.head_dim % 16 == 0 and cache_attention_kernel()) else _norm
         self.attn_dtype = dtype if (self.cache_kernel or not on_cpu) else torch.float32
         # Kernels made for the few rows of a step can be slow for a prompt's hundreds. Where the CPU has no
         # bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's fallback costs about
@@ -277,12 +289,12 @@ class FastForward:
         def mm(x, w, b, parts):
             return _dense_linear(x, parts, self.upcast) if dense else _linear(x, w, b)
         for i, (L, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-            h = _norm(L.ln1, x)
+            h = self.norm(L.ln1, x)
             qkv = mm(h, L.wqkv, L.bqkv, L.parts[0])
             qk, vs = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)
             qk = qk.view(b, q, nh + nkv, d)
             if L.q_norm is not None:
-                qk = torch.cat([_norm(L.q_norm, qk[:, :, :nh]), _norm(L.k_norm, qk[:, :, nh:])], 2)
+                qk = torch.cat([self.norm(L.q_norm, qk[:, :, :nh]), self.norm(L.k_norm, qk[:, :, nh:])], 2)
             # RoPE on the query and key heads together: half the small ops of rotating each
             qk = qk.transpose(1, 2)  # [b, nh + nkv, q, d]
             qk = qk * cos + qk.roll(d // 2, -1) * sin
@@ -299,14 +311,14 @@ class FastForward:
                 o = F.scaled_dot_product_attention(qs.to(sdpa_dtype), ks, vs, attn_mask=mask, scale=self.scaling,
                                                    enable_gqa=self.gqa and not self.expand_kv)
             x = x + mm(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, L.parts[1])
-            gate, lift = mm(_norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
+            gate, lift = mm(self.norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
             x = x + mm(F.silu(gate) * lift, L.wdown, L.bdown, L.parts[3])
             if i in tap_set:
                 taps[i] = x
         torch._foreach_add_([c.cumulative_length for c in cache.layers], q)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return _linear(_norm(self.final_norm, x), self.head_weight, self.head_bias), taps
+        return _linear(self.norm(self.final_norm, x), self.head_weight, self.head_bias), taps
 
 
 def fast_forward(model, quantize: str | None = None) -> FastForward:

@@ -197,8 +197,8 @@ class Int8Weight(_WeightOnlyQuantized):
 
 
 # builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags
-INT4_BUILDS = {"avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
-                               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]),
+INT4_BUILDS = {"avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
+                               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]),
                "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])}
 INT4_KERNELS = ("auto", "dflash", "torch")
 
@@ -235,9 +235,10 @@ def int4_kernel() -> bool:
     return False
 
 
-def int4_op(build: str | None = None):
-    """The int4 product of a build (default: this CPU's), once built: op(x bf16 [M, K], qweight, scales)."""
-    return getattr(torch.ops, f"dflash_int4_{build or int4_build()}").int4_linear
+def int4_op(build: str | None = None, name: str = "int4_linear"):
+    """A product of a build of dflash's kernel library (default: this CPU's), once built: op(x bf16 [M, K],
+    qweight, scales). name: int4_linear (Int4Weight) or q8_linear (Q8Weight)."""
+    return getattr(getattr(torch.ops, f"dflash_int4_{build or int4_build()}"), name)
 
 
 _warned: list[str] = []
@@ -260,6 +261,8 @@ def _int4_build(build: str) -> str | None:
         return str(e)
     torch.library.register_fake(f"{lib}::int4_linear")(
         lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 16))
+    torch.library.register_fake(f"{lib}::q8_linear")(
+        lambda x, qweight, scales: x.new_empty(x.shape[0], qweight.shape[0] * 8))
     return None
 
 
@@ -298,6 +301,7 @@ def _attention_build() -> str | None:
     except Exception as e:
         return str(e)
     torch.library.register_fake("dflash_attn::cache_attention")(lambda q, k, v, visible, scale: q.new_empty(q.shape))
+    torch.library.register_fake("dflash_attn::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
     return None
 
 
@@ -347,3 +351,44 @@ class Int4Weight(_WeightOnlyQuantized):
         if self.ours:
             return self.op(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.GROUP, self.scales_and_zeros)
+
+
+class Q8Weight(_WeightOnlyQuantized):
+    """A weight in GGUF's Q8_0 layout: int8 in groups of 32 inputs, one fp16 scale each (symmetric). GGUF files
+    keep the token embedding, the tied LM head, this way while the layers are 4-bit, so the int4 runtime's head is
+    one of these. Multiplied on dflash's kernel (`q8_linear` in csrc/int4.cpp) with llama.cpp's Q8_0 x Q8
+    arithmetic: a row's result does not depend on the other rows, and 8 rows cost far less than 8 times one
+    (PyTorch's int8 kernel: about linear in the rows). Only where `fits` holds; elsewhere Int8Weight."""
+
+    GROUP = 32
+
+    @staticmethod
+    def fits(w: torch.Tensor) -> bool:
+        return w.device.type == "cpu" and w.shape[0] % 8 == 0 and w.shape[1] % Q8Weight.GROUP == 0 and int4_kernel()
+
+    def __init__(self, w: torch.Tensor):
+        if not self.fits(w):
+            raise DFlashConfigError(f"a Q8_0 weight needs dflash's kernel, outputs a multiple of 8 and inputs a "
+                                    f"multiple of {self.GROUP}; got {tuple(w.shape)}")
+        out_features, in_features = w.shape
+        groups = w.detach().float().view(out_features, in_features // self.GROUP, self.GROUP)
+        scale = (groups.abs().amax(-1) / 127).clamp(min=1e-12)  # [out, groups]
+        q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(out_features, in_features)
+        self.op = int4_op(name="q8_linear")
+        tiles = out_features // 8
+        # the layout csrc/int4.cpp documents: [tile, quad, output, input]
+        self.qweight = q.view(tiles, 8, in_features // 4, 4).permute(0, 2, 1, 3).reshape(tiles, -1, 32).contiguous()
+        self.scales = scale.view(tiles, 8, -1).permute(0, 2, 1).contiguous().half()  # [tile, group, output]
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
+
+
+def proposal_weight(w: torch.Tensor):
+    """A draft's LM head in the form it scores proposals with. Where the CPU has no half-precision kernels the bf16
+    head costs about linearly in the rows it scores and fp32 streams twice the bytes: there it is int8, as Q8_0 on
+    dflash's kernel where that runs (the cheapest per row; `benchmarks/linear_rows.py`), else per row on
+    PyTorch's (7 rows in the time of 2 bf16 ones)."""
+    if not widens(w):
+        return w
+    return Q8Weight(w) if Q8Weight.fits(w) else Int8Weight(w)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .compiled import compile_frozen
 from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
 from .errors import DFlashConfigError
-from .kernels import Int8Weight, Linear, linear, widens
+from .kernels import Linear, linear, proposal_weight
 from .target import join_rows
 
 
@@ -531,14 +531,13 @@ class DFlashDraftModel(nn.Module):
 
     def _proposal_head(self):
         """(weight, bias, rows) that proposals are scored with: the draft vocabulary's LM-head rows (rows None:
-        the whole head). Where the CPU has no half-precision kernels the weight is quantised to int8 per row:
-        there the bf16 head costs about linearly in the rows it scores and fp32 streams twice the bytes, while
-        int8 scored 7 rows in the time of 2 bf16 ones. Proposals only: the target verifies them."""
+        the whole head). Where the CPU has no half-precision kernels the weight is quantised to int8
+        (`kernels.proposal_weight`). Proposals only: the target verifies them."""
         w = self.lm_head.weight
         if self._proposal_cache is None or self._proposal_cache[0] is not w:
             weight, bias, rows = (self._draft_head() if self.draft_vocab is not None
                                   else (w, getattr(self.lm_head, "bias", None), None))
-            self._proposal_cache = (w, Int8Weight(weight) if widens(weight) else weight, bias, rows)
+            self._proposal_cache = (w, proposal_weight(weight), bias, rows)
         return self._proposal_cache[1:]
 
     def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,

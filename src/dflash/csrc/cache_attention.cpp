@@ -15,6 +15,11 @@
 //
 // q [b, heads, nq, d] fp32; k, v [b, kv_heads, T, d] fp32 or bf16 (rows contiguous, any other strides);
 // visible [b, nq, T] bool; out [b, heads, nq, d] fp32. d must be a multiple of 16.
+//
+// The same library holds `rms_norm` for bf16 rows (a step's norms: PyTorch spends tens of microseconds and five
+// ops on each of a few rows, more than the products around them), computed as HF's RMSNorm computes it: the
+// statistics in fp32 (16-lane partial sums in a fixed order, then a fixed tree), the normed row rounded to bf16,
+// then times the weight, rounded to bf16. Each row alone, whatever the others.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -213,10 +218,48 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out;
 }
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.numel() == K && K % kLanes == 0,
+              "rms_norm: x must be a bf16 CPU tensor whose last size is a multiple of 16 and the weight's size, got ",
+              x.sizes(), " ", x.scalar_type(), " and ", weight.sizes(), " ", weight.scalar_type());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = K ? xc.numel() / K : 0;
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // a step's few rows are done by one thread: waking the others costs more than the work
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const at::BFloat16* in = xp + r * K;
+      float part[kLanes] = {};
+      for (int64_t k = 0; k < K; k += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float v = to_float(in[k + l]);
+          part[l] += v * v;
+        }
+      for (int64_t w = kLanes / 2; w > 0; w /= 2)
+        for (int64_t l = 0; l < w; ++l) part[l] += part[l + w];
+      const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(K) + static_cast<float>(eps));
+      for (int64_t k = 0; k < K; ++k) {
+        const at::BFloat16 normed(to_float(in[k]) * inv);
+        yp[r * K + k] = at::BFloat16(to_float(normed) * to_float(wp[k]));
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dflash_attn, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) { m.impl("cache_attention", &cache_attention); }
+TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
+  m.impl("cache_attention", &cache_attention);
+  m.impl("rms_norm", &rms_norm);
+}

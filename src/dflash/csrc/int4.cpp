@@ -22,6 +22,11 @@
 // it sits in the batch: a row's result does not depend on the batch, so verifying a block reproduces bit for
 // bit the logits of decoding one token at a time.
 //
+// The same library holds `q8_linear`, for weights in GGUF's Q8_0 layout (groups of 32 int8 with one fp16 scale;
+// GGUF files keep the token embedding, which is the tied LM head, that way): llama.cpp's Q8_0 x Q8 arithmetic,
+// y += xscale * scale * sum(q * xq) per group, with the same promise. Its code is AVX2 in both builds (an
+// AVX-512 CPU runs it as it is), so both builds give the same bits.
+//
 // DFLASH_INT4_LIB names the operator's library (one per build, so both can be loaded in one process).
 
 #include <ATen/ATen.h>
@@ -46,6 +51,19 @@ constexpr int64_t kMaxRows = 8;
 #else
 constexpr int64_t kMaxRows = 4;
 #endif
+
+inline __m256 fp16x8_to_fp32(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// fp32 -> bf16, rounding to nearest even (both builds, and the AVX-512 code below, round alike)
+inline __m128i fp32x8_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
 
 #if defined(__AVX512VNNI__)
 
@@ -114,19 +132,6 @@ void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const 
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-inline __m256 fp16x8_to_fp32(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// fp32 -> bf16, rounding to nearest even, as the AVX-512 build does
-inline __m128i fp32x8_to_bf16(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-  return _mm256_castsi256_si128(packed);
-}
-
 // vpdpbusd's sum without VNNI: u8 x s8 pairs to int16 (at most 2 x 15 x 128: no saturation), pairs of those
 // to int32: the same four products per lane, added exactly
 inline __m256i dot4(__m256i acc, __m256i w, __m256i x, __m256i ones) {
@@ -191,6 +196,31 @@ void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const 
 #error "dflash's int4 kernel needs AVX-512 VNNI, or AVX2 with FMA and F16C"
 #endif
 
+// Each row's inputs to int8 per group of 32 (Q8_1's scheme): q = round(x * 127 / amax), scale = amax / 127, and
+// off = scale * sum(q) (what a weight's offset multiplies). Row by row: a row's values do not depend on the others.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, off;
+
+  QuantizedRows(const at::Tensor& x, int64_t groups) : q(x.numel()), scale(x.size(0) * groups), off(scale.size()) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    for (int64_t r = 0; r < static_cast<int64_t>(scale.size()); ++r) {
+      const at::BFloat16* in = xp + r * kGroup;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::abs(static_cast<float>(in[k])));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(in[k]) * inv));
+        q[r * kGroup + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      scale[r] = amax / 127.0f;
+      off[r] = scale[r] * static_cast<float>(sum);
+    }
+  }
+};
+
 using RowsFn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, int64_t,
                         int64_t, int64_t, int64_t, uint16_t*);
 constexpr RowsFn kRows[9] = {nullptr,       rows_block<1>, rows_block<2>, rows_block<3>, rows_block<4>,
@@ -212,23 +242,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xscale(M * groups), xoff(M * groups);
-  for (int64_t r = 0; r < M * groups; ++r) {
-    const at::BFloat16* in = xp + r * kGroup;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::abs(static_cast<float>(in[k])));
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(static_cast<float>(in[k]) * inv));
-      xq[r * kGroup + k] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    xscale[r] = amax / 127.0f;
-    xoff[r] = xscale[r] * static_cast<float>(sum);
-  }
+  QuantizedRows xr(xc, groups);
+  const std::vector<int8_t>& xq = xr.q;
+  const std::vector<float>& xscale = xr.scale, &xoff = xr.off;
 
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -244,8 +260,103 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return y;
 }
 
+// ---- Q8_0 weights: q8_linear ----
+// Layout (made by `dflash.kernels.Q8Weight`):
+//   qweight [N/8, K/4, 32] int8: for tile t (outputs 8t..8t+7) and input quad o (inputs 4o..4o+3), byte 4c + i
+//     holds input 4o + i of output 8t + c.
+//   scales  [N/8, K/32, 8] fp16: per tile and group, the 8 outputs' scales.
+
+constexpr int64_t kQ8Tile = 8;
+constexpr int64_t kQ8MaxRows = 4;  // rows per pass: two int32 sums and two fp32 sums per row and tile fit 16 registers
+
+// s8 x s8 products of four inputs into each int32 lane: |w| times x carrying w's sign makes a u8 x s8 pair for
+// vpmaddubsw (at most 2 x 127 x 127 per int16: no saturation), and vpmaddwd adds the pairs exactly
+inline __m256i dot4_s8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
+}
+
+template <int M, int NT>
+void q8_block(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
+              int64_t tile, uint16_t* y) {
+  const int64_t groups = K / kGroup, quads = K / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[M][NT];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[M][NT];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < NT; ++t) dot[m][t] = _mm256_setzero_si256();
+    for (int64_t o = g * (kGroup / 4); o < (g + 1) * (kGroup / 4); ++o) {
+      for (int t = 0; t < NT; ++t) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((tile + t) * quads + o) * 32));
+        const __m256i wabs = _mm256_abs_epi8(w);
+        for (int m = 0; m < M; ++m) {
+          const int32_t x4 = reinterpret_cast<const int32_t*>(xq + m * K)[o];
+          dot[m][t] = dot4_s8(dot[m][t], wabs, w, _mm256_set1_epi32(x4), ones);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m256 scale = fp16x8_to_fp32(scales + ((tile + t) * groups + g) * kQ8Tile);
+      for (int m = 0; m < M; ++m)
+        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][t]),
+                                    _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g])), acc[m][t]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < NT; ++t)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (tile + t) * kQ8Tile), fp32x8_to_bf16(acc[m][t]));
+}
+
+template <int M>
+void q8_rows(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
+             int64_t begin, int64_t end, uint16_t* y) {
+  constexpr int NT = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  int64_t t = begin;
+  for (; t + NT <= end; t += NT) q8_block<M, NT>(xq, xscale, q, scales, K, N, t, y);
+  for (; t < end; ++t) q8_block<M, 1>(xq, xscale, q, scales, K, N, t, y);
+}
+
+using Q8RowsFn = void (*)(const int8_t*, const float*, const int8_t*, const uint16_t*, int64_t, int64_t, int64_t,
+                          int64_t, uint16_t*);
+constexpr Q8RowsFn kQ8Rows[kQ8MaxRows + 1] = {nullptr, q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>};
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+              "q8_linear: x must be a 2-D bf16 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 3 && qweight.size(2) == 32 &&
+                  qweight.is_contiguous(),
+              "q8_linear: qweight must be a contiguous int8 [N/8, K/4, 32] tensor, got ", qweight.sizes());
+  const int64_t M = x.size(0), K = x.size(1), tiles = qweight.size(0), N = tiles * kQ8Tile, groups = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && qweight.size(1) * 4 == K, "q8_linear: x has ", K, " inputs, the weight ",
+              qweight.size(1) * 4, " (a multiple of 32 is needed)");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == tiles * groups * kQ8Tile,
+              "q8_linear: scales must be a contiguous fp16 [N/8, K/32, 8] tensor, got ", scales.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const QuantizedRows xr(xc, groups);
+  const int8_t* qp = qweight.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kQ8MaxRows) {
+      const int64_t rows = std::min(kQ8MaxRows, M - m0);
+      kQ8Rows[rows](xr.q.data() + m0 * K, xr.scale.data() + m0 * groups, qp, sp, K, N, begin, end, yp + m0 * N);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(DFLASH_INT4_LIB, m) { m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor"); }
+TORCH_LIBRARY(DFLASH_INT4_LIB, m) {
+  m.def("int4_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(DFLASH_INT4_LIB, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(DFLASH_INT4_LIB, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("q8_linear", &q8_linear);
+}
