@@ -275,6 +275,10 @@ def test_cache_attention_matches_sdpa(dtype, d):
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
     want = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
     assert torch.allclose(got, want, atol=2e-6, rtol=1e-5)
+    # bf16 queries: widened exactly inside, the output rounded to bf16 as the caller would round it
+    qb = q.bfloat16()
+    assert torch.equal(torch.ops.dflash_attn.cache_attention(qb, k, v, visible, d ** -0.5),
+                       torch.ops.dflash_attn.cache_attention(qb.float(), k, v, visible, d ** -0.5).bfloat16())
 
 
 @needs_attention_kernel

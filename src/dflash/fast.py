@@ -302,8 +302,9 @@ class FastForward:
             vs = vs.view(b, q, nkv, d).transpose(1, 2)
             keys, values = self._write(layer_cache, ks, vs, pointer, write_slots)
             if few:
-                o = torch.ops.dflash_attn.cache_attention(qs.float(), keys[:, :, :end], values[:, :, :end],
-                                                          visible[:, 0], self.scaling)
+                # in fp32 inside the kernel, the output rounded to the queries' dtype
+                o = torch.ops.dflash_attn.cache_attention(qs, keys[:, :, :end], values[:, :, :end], visible[:, 0],
+                                                          self.scaling)
             else:
                 ks, vs = keys[:, :, :end].to(sdpa_dtype), values[:, :, :end].to(sdpa_dtype)
                 if self.expand_kv:

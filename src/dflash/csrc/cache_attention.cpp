@@ -13,8 +13,8 @@
 // So a query's output depends only on the keys it sees: verifying k tokens gives bit for bit the attention of k
 // single steps, and a row's answer does not depend on what else is being served.
 //
-// q [b, heads, nq, d] fp32; k, v [b, kv_heads, T, d] fp32 or bf16 (rows contiguous, any other strides);
-// visible [b, nq, T] bool; out [b, heads, nq, d] fp32. d must be a multiple of 16.
+// q [b, heads, nq, d] fp32 or bf16; k, v [b, kv_heads, T, d] fp32 or bf16 (rows contiguous, any other strides);
+// visible [b, nq, T] bool; out [b, heads, nq, d] in q's dtype (computed in fp32). d must be a multiple of 16.
 //
 // The same library holds `rms_norm` for bf16 rows (a step's norms: PyTorch spends tens of microseconds and five
 // ops on each of a few rows, more than the products around them), computed as HF's RMSNorm computes it: the
@@ -181,7 +181,7 @@ void head_group(const float* q, const KV* k, const KV* v, const bool* visible, f
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible,
                            double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && visible.dim() == 3, "cache_attention: bad ranks");
-  TORCH_CHECK(q.scalar_type() == at::kFloat, "cache_attention: q must be fp32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "cache_attention: q must be fp32 or bf16");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "cache_attention: k and v must both be fp32 or both bf16");
   TORCH_CHECK(visible.scalar_type() == at::kBool, "cache_attention: visible must be bool");
@@ -192,8 +192,9 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
               "cache_attention: shapes do not agree");
   TORCH_CHECK(visible.size(0) == b && visible.size(1) == nq && visible.size(2) == T, "cache_attention: bad mask");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "cache_attention: key/value rows must be contiguous");
-  const at::Tensor qc = q.contiguous(), vis = visible.contiguous();
-  at::Tensor out = at::empty({b, heads, nq, d}, q.options());
+  // a bf16 q widens exactly and the output rounds back to it here, as the caller would (two ops fewer per layer)
+  const at::Tensor qc = q.to(at::kFloat).contiguous(), vis = visible.contiguous();
+  at::Tensor out = at::empty({b, heads, nq, d}, qc.options());
   const int64_t groups = heads / kv_heads;
   const float* qp = qc.data_ptr<float>();
   const bool* mp = vis.data_ptr<bool>();
@@ -215,7 +216,7 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
       }
     }
   });
-  return out;
+  return out.to(q.scalar_type());
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
