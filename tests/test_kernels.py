@@ -129,6 +129,14 @@ def test_where_the_cpu_cannot_pack_drafts_propose_through_an_int8_head_and_stay_
 
 
 
+def _rounded_inputs(x: torch.Tensor) -> torch.Tensor:
+    """x as dflash's kernels see it: bf16, then rounded to int8 steps of max|x| / 127 per group of 32."""
+    groups = x.bfloat16().float().view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127) / amax  # IEEE division, as the kernel's (`127 / amax` is not, by an ulp)
+    return ((groups * torch.where(amax > 0, inv, 0)).round() * (amax / 127)).view(x.shape)
+
+
 def _int4_reference(x: torch.Tensor, w: kernels.Int4Weight) -> torch.Tensor:
     """What dflash's int4 kernel computes, in fp32 from its own layout: Q4_1 weights times the inputs rounded to
     int8 per group of 32 (in steps of max|x| / 127)."""
@@ -136,11 +144,7 @@ def _int4_reference(x: torch.Tensor, w: kernels.Int4Weight) -> torch.Tensor:
     nib = torch.stack([w.qweight & 15, w.qweight >> 4], -1).view(tiles, octets, 16, 4, 2).float()
     q = nib.permute(0, 2, 1, 4, 3).reshape(tiles * 16, octets * 8)  # [out, in]
     sl = w.scales.float().permute(2, 0, 3, 1).reshape(2, tiles * 16, -1).repeat_interleave(32, -1)
-    groups = x.bfloat16().float().view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127) / amax  # IEEE division, as the kernel's (`127 / amax` is not, by an ulp)
-    xq = ((groups * torch.where(amax > 0, inv, 0)).round() * (amax / 127)).view(x.shape)
-    return xq @ (q * sl[0] + sl[1]).T
+    return _rounded_inputs(x) @ (q * sl[0] + sl[1]).T
 
 
 @needs_int4_kernel
@@ -166,13 +170,17 @@ def _int4_builds_here() -> list[str]:
     return [b for b, (needs, _) in kernels.INT4_BUILDS.items() if needs <= flags and kernels._int4_build(b) is None]
 
 
+def _skip_unless_built(build: str) -> None:
+    if build not in _int4_builds_here():
+        pytest.skip(f"the {build} build of dflash's int4/Q8_0 kernels needs {sorted(kernels.INT4_BUILDS[build][0])} "
+                    "and a C++ compiler")
+
+
 @pytest.mark.parametrize("build", list(kernels.INT4_BUILDS))
 def test_each_int4_build_does_the_reference_arithmetic_and_all_agree_bitwise(build):
     # the AVX2 build (vpmaddubsw + vpmaddwd) makes the very sums the AVX-512 VNNI build (vpdpbusd) makes, and
     # the same float operations lane by lane: the same bits, whatever the CPU, and a row alone as in a batch
-    if build not in _int4_builds_here():
-        pytest.skip(f"the {build} build of dflash's int4 kernel needs {sorted(kernels.INT4_BUILDS[build][0])} "
-                    "and a C++ compiler")
+    _skip_unless_built(build)
     g = torch.Generator().manual_seed(3)
     w = kernels.Int4Weight(torch.randn(160, 96, generator=g), ours=True)
     for rows in (1, 2, 3, 4, 5, 7, 9, 17):
@@ -211,18 +219,12 @@ def _q8_reference(x: torch.Tensor, w: kernels.Q8Weight) -> torch.Tensor:
     tiles, quads, _ = w.qweight.shape
     q = w.qweight.view(tiles, quads, 8, 4).permute(0, 2, 1, 3).reshape(tiles * 8, quads * 4).float()
     scale = w.scales.float().permute(0, 2, 1).reshape(tiles * 8, -1).repeat_interleave(32, -1)
-    groups = x.bfloat16().float().view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 127) / amax
-    xq = ((groups * torch.where(amax > 0, inv, 0)).round() * (amax / 127)).view(x.shape)
-    return xq @ (q * scale).T
+    return _rounded_inputs(x) @ (q * scale).T
 
 
 @pytest.mark.parametrize("build", list(kernels.INT4_BUILDS))
 def test_q8_head_kernel_does_the_reference_arithmetic_alone_as_in_a_batch_in_every_build(build):
-    if build not in _int4_builds_here():
-        pytest.skip(f"the {build} build of dflash's kernels needs {sorted(kernels.INT4_BUILDS[build][0])} "
-                    "and a C++ compiler")
+    _skip_unless_built(build)
     g = torch.Generator().manual_seed(4)
     w = kernels.Q8Weight(torch.randn(200, 96, generator=g))  # 25 tiles of 8: every tile grouping and a tail
     for rows in (1, 2, 3, 4, 5, 8, 9, 17):  # every row template, passes of 4 rows and their tails
