@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash import kernels, machine
-from dflash.fast import Int4Weight, Int8Weight, Q8Weight
+from dflash.fast import Int4Weight, Int8Weight
 from dflash.loading import DEFAULT_MODEL, load_target
 from dflash.machine import hardware
 
@@ -51,8 +51,8 @@ def _products(w: torch.Tensor, fp32: bool = True) -> dict:
     out = {"fp32": lambda x: F.linear(x.float(), w)} if fp32 else {}
     out["bf16" + (" packed" if kernels.packable(wb) else "")] = lambda x: kernels.linear(x, wb)
     out["int8"] = lambda x, q=Int8Weight(wb): q.linear(x, None)
-    if Q8Weight.fits(wb):  # Q8_0 on dflash's kernel (the int4 runtime's LM head)
-        out["q8_0 dflash"] = lambda x, q=Q8Weight(wb): q.linear(x, None)
+    if kernels.Q8Weight.fits(wb):  # Q8_0 on dflash's kernel (the int4 runtime's LM head)
+        out["q8_0 dflash"] = lambda x, q=kernels.Q8Weight(wb): q.linear(x, None)
     if w.shape[1] % 32 == 0:
         out["int4 torch"] = lambda x, q=Int4Weight(wb, ours=False): q.linear(x, None)
         if kernels.int4_kernel() and w.shape[0] % 16 == 0:

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import DFlashConfigError
-from .kernels import Int4Weight, Int8Weight, PackedWeight, Q8Weight, cache_attention_kernel, int4_kernel, packable
+from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, int4_kernel, int8_weight, packable
 from .compiled import compile_frozen
 from .target import TargetAdapter, decoder_layers
 
@@ -142,8 +142,7 @@ class FastForward:
         head = model.get_output_embeddings()
         # a 4-bit model keeps its output layer at 8 bits, as 4-bit GGUF files store it (Q8_0 or Q6_K): the logits
         # decide every token. Q8_0's groups of 32 on dflash's kernel where it runs, else int8 per row
-        self.head_weight = (Q8Weight(head.weight) if quantize == "int4" and Q8Weight.fits(head.weight) else
-                            _prepared(head.weight, "int8" if quantize == "int4" else quantize))
+        self.head_weight = int8_weight(head.weight) if quantize == "int4" else _prepared(head.weight, quantize)
         self.head_bias = getattr(head, "bias", None)
         inner = model.get_decoder()
         self.rotary = inner.rotary_emb

@@ -384,11 +384,14 @@ class Q8Weight(_WeightOnlyQuantized):
         return self.op(x.to(torch.bfloat16), self.qweight, self.scales).to(x.dtype)
 
 
+def int8_weight(w: torch.Tensor):
+    """w at 8 bits: Q8_0 on dflash's kernel where that runs (the cheapest per row; `benchmarks/linear_rows.py`),
+    else int8 per row on PyTorch's kernel."""
+    return Q8Weight(w) if Q8Weight.fits(w) else Int8Weight(w)
+
+
 def proposal_weight(w: torch.Tensor):
     """A draft's LM head in the form it scores proposals with. Where the CPU has no half-precision kernels the bf16
-    head costs about linearly in the rows it scores and fp32 streams twice the bytes: there it is int8, as Q8_0 on
-    dflash's kernel where that runs (the cheapest per row; `benchmarks/linear_rows.py`), else per row on
-    PyTorch's (7 rows in the time of 2 bf16 ones)."""
-    if not widens(w):
-        return w
-    return Q8Weight(w) if Q8Weight.fits(w) else Int8Weight(w)
+    head costs about linearly in the rows it scores and fp32 streams twice the bytes: there it is 8-bit
+    (`int8_weight`; PyTorch's int8 scored 7 rows in the time of 2 bf16 ones)."""
+    return int8_weight(w) if widens(w) else w

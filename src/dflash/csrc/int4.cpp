@@ -242,9 +242,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 
-  QuantizedRows xr(xc, groups);
-  const std::vector<int8_t>& xq = xr.q;
-  const std::vector<float>& xscale = xr.scale, &xoff = xr.off;
+  const QuantizedRows xr(xc, groups);
 
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
@@ -253,8 +251,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int64_t rows = std::min(kMaxRows, M - m0);
-      kRows[rows](xq.data() + m0 * K, xscale.data() + m0 * groups, xoff.data() + m0 * groups, qp, sp, K, N, begin,
-                  end, yp + m0 * N);
+      kRows[rows](xr.q.data() + m0 * K, xr.scale.data() + m0 * groups, xr.off.data() + m0 * groups, qp, sp, K, N,
+                  begin, end, yp + m0 * N);
     }
   });
   return y;
