@@ -70,6 +70,12 @@ def fixed_order(items: list, batch_size: int, seed: int, window: int = 8) -> lis
     return [x for k in range(0, len(items), span) for x in sorted(items[k:k + span], key=lambda pi: len(pi[1]))]
 
 
+def _settings_diff(settings: dict | None, cfg: RegenerateConfig) -> dict:
+    """{setting: (stored, cfg's)} for every setting a folder's manifest records otherwise than cfg."""
+    settings, mine = settings or {}, cfg.identity()
+    return {k: (settings.get(k), mine.get(k)) for k in {**settings, **mine} if settings.get(k) != mine.get(k)}
+
+
 def done_chunks(output: Path) -> set[int]:
     return {int(m.group(1)) for p in output.glob("shard-*.jsonl") if (m := SHARD.match(p.name))}
 
@@ -81,9 +87,9 @@ def packed_chunks(folder: str | os.PathLike, cfg: RegenerateConfig) -> set[int]:
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         raise DFlashError(f"--packed {folder}: not a packed dataset folder (no manifest.json)")
-    settings = json.loads(manifest.read_text()).get("settings")
-    if settings != cfg.identity():
-        raise DFlashError(f"--packed {folder} holds answers made with other settings ({settings}); "
+    diff = _settings_diff(json.loads(manifest.read_text()).get("settings"), cfg)
+    if diff:
+        raise DFlashError(f"--packed {folder} holds answers made with other settings {diff} (theirs, this run's); "
                           "its chunks cannot stand for this run's")
     return {int(m.group(1)) for p in folder.glob("packed-*.safetensors") if (m := PACKED_SHARD.match(p.name))}
 
@@ -91,10 +97,8 @@ def packed_chunks(folder: str | os.PathLike, cfg: RegenerateConfig) -> set[int]:
 def _check_manifest(output: Path, cfg: RegenerateConfig) -> None:
     path = output / "manifest.json"
     if path.is_file():
-        old = json.loads(path.read_text())
-        if old.get("settings") != cfg.identity():
-            diff = {k: (old.get("settings", {}).get(k), v) for k, v in cfg.identity().items()
-                    if old.get("settings", {}).get(k) != v}
+        diff = _settings_diff(json.loads(path.read_text()).get("settings"), cfg)
+        if diff:
             raise DFlashError(f"{output} was started with other settings {diff} (old, new); "
                               "use another output folder or the same settings to resume")
     else:
