@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 ARM="${1:?name an arm: r0..r7}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
-DATA="${DATA:-runs/data/first runs/data/rest480}"  # a fixed set: a resumed run must see the same data
+# a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
+DATA="${DATA:-data/smollm2-135m-instruct/first}"
 case "$ARM" in
     r0) EXTRA=() ;;
     r1) EXTRA=(--num-layers 2) ;;
@@ -29,6 +30,6 @@ esac
 # shellcheck disable=SC2086
 dflash train --target smollm2-135m-instruct --data $DATA --output "runs/train/$ARM" \
     --num-layers 1 --num-target-features 3 --block-size 8 --num-anchors 512 --lr 6e-4 --epochs 4 \
-    --max-hours "$HOURS" --warmup 0.04 --draft-vocab-size 8192 --max-length 1536 --autocast bfloat16 \
+    --max-hours "$HOURS" --warmup 0.04 --draft-vocab-size 8192 --max-length 1536 --autocast auto \
     --eval-datasets gsm8k mbpp humaneval mt-bench --eval-prompts 10 --eval-max-new-tokens 64 --eval-interval 500 \
     --save-interval 100 --save-dtype bfloat16 --log-interval 20 --threads "$THREADS" --resume "${EXTRA[@]}"

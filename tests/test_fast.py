@@ -10,7 +10,7 @@ from dflash.fast import FastTargetAdapter, Int4Weight, fast_unsupported, make_ad
 from dflash.prompts import left_pad
 from dflash.target import TargetAdapter
 from cpu_features import needs_attention_kernel, needs_bf16_packing, needs_int4_kernel
-from tiny import ragged_batch, tiny_target
+from tiny import VOCAB, ragged_batch, tiny_target
 
 FAST = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -137,9 +137,11 @@ def test_a_long_prompt_pass_multiplies_by_the_models_own_weights(arch, runtime, 
     prompt_pass = {(kind, upcast) for rows, kind, upcast in calls if rows == 20}
     later = {kind for rows, kind, _ in calls if rows != 20}
     assert prompt_pass == {("dense", not packs)}  # the LM head of the prompt pass keeps one row
-    # (the int4 runtime keeps its output layer at 8 bits: Q8_0 on dflash's kernel where it runs)
+    # (the int4 runtime keeps its output layer at 8 bits: Q8_0 on dflash's kernel where it runs; its layers'
+    # int4 products run inside decoder_layers where that runs)
     head8 = "Q8Weight" if kernels.int4_kernel() else "Int8Weight"
-    assert later == {None: {"Tensor"}, "int8": {"Int8Weight"}, "int4": {"Int4Weight", head8}}[quantize]
+    int4 = {head8} if ff.layer_weights is not None else {"Int4Weight", head8}
+    assert later == {None: {"Tensor"}, "int8": {"Int8Weight"}, "int4": int4}[quantize]
     for B in (2, 8):  # plain and speculative decoding share that prompt pass: still exact against each other
         draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
         spec = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], runtime=runtime)
@@ -287,6 +289,52 @@ def test_int4_verify_steps_are_bitwise_single_steps_and_rows_do_not_see_each_oth
     assert torch.equal(verify, single)
     alone, _ = _steps(target, "fast-int4", prompts[1:], block[1:])
     assert torch.equal(alone[0], verify[1])
+
+
+def _biased_llama():
+    from transformers import AutoModelForCausalLM
+    from tiny import tiny_config
+
+    cfg = tiny_config("llama")
+    cfg.attention_bias = cfg.mlp_bias = True
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)  # HF starts biases at 0: they would add nothing
+    return model
+
+
+@needs_attention_kernel
+@needs_int4_kernel
+@pytest.mark.parametrize("arch", FAST + ["llama with biases"])
+def test_a_steps_layers_in_one_cpp_call_compute_what_the_python_layers_do(arch):
+    # an int4 bf16 model's eager steps run their layers in decoder_layers (csrc/cache_attention.cpp), which does
+    # op for op what _forward's Python does: logits and tapped states bitwise equal, for a ragged prompt pass and
+    # verify and decode steps after it (qwen2: q/k/v biases; qwen3: q/k norms; llama with biases: all of them)
+    target = (_biased_llama() if arch == "llama with biases" else tiny_target(arch, seed=4)).bfloat16()
+    ff = fast.fast_forward(target, "int4")
+    assert ff.layer_weights is not None
+    ids, mask = ragged_batch([6, 3, 9], seed=1)
+    pos = (mask.long().cumsum(1) - 1).clamp(min=0)
+    out = {}
+    for fused in (True, False):
+        weights, ff.layer_weights = ff.layer_weights, (ff.layer_weights if fused else None)
+        try:
+            a = make_adapter(target, [0, 2, 3], "fast-int4")
+            a.reset(3, 24)
+            steps = [a.forward(ids, pos, capture=True, slot_valid=mask.bool())]
+            last = pos[:, -1:]
+            for k in (5, 1, 3):
+                block = torch.randint(3, VOCAB, (3, k), generator=torch.Generator().manual_seed(k))
+                steps.append(a.forward(block, last + 1 + torch.arange(k), capture=True))
+                last = last + k
+            out[fused] = steps
+        finally:
+            ff.layer_weights = weights
+    for k, ((l1, f1), (l0, f0)) in enumerate(zip(out[True], out[False])):
+        assert torch.equal(l1, l0) and torch.equal(f1, f0), (arch, k)
 
 
 @pytest.mark.parametrize("kernel", [pytest.param("auto", marks=needs_attention_kernel), "torch"])

@@ -258,11 +258,11 @@ _TRAIN_HELP = {
     "max_hours": "a time budget: the schedule spans the steps that fit, as its first steps measure (at most the "
                  "epochs'), for comparing recipes at equal wall-clock",
     "batch_size": "sequences per step per process", "grad_accum": "gradient accumulation",
-    "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype", "save_dtype": "dtype of saved drafts",
+    "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype (auto: bf16 where bf16 products pay, else fp32)", "save_dtype": "dtype of saved drafts",
     "seed": "seed (data order, anchors, init)", "save_interval": "checkpoint every N steps",
     "eval_interval": "measure τ every N steps", "eval_samples": "held-out training sequences (τ without --eval-datasets)",
     "eval_datasets": "held-out test sets for τ and per-slot acceptance (gsm8k mbpp humaneval mt-bench math500)",
-    "eval_prompts": "prompts per eval dataset", "autocast": "bfloat16: the draft's products in bf16 (fp32 masters)",
+    "eval_prompts": "prompts per eval dataset", "autocast": "bfloat16: the draft's products in bf16 (fp32 masters); auto: where bf16 pays",
     "eval_max_new_tokens": "tokens generated per held-out prompt", "log_interval": "log every N steps",
     "resume": "continue from the latest checkpoint in --output", "device": "cpu | cuda",
     "threads": "torch threads (default: physical cores)",
@@ -340,16 +340,18 @@ def cmd_pack(args) -> int:
 def cmd_features(args) -> int:
     from .config import default_target_layer_ids
     from .dataset import read_dataset
-    from .train import compute_features
+    from .machine import default_device
+    from .train import compute_features, precision
 
     cfg = _train_config(args)
     if not cfg.features:
         raise DFlashError("pass --features DIR: the folder to write the features into")
-    target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device, threads=cfg.threads)
+    dtype = precision(cfg.dtype, cfg.device or default_device())
+    target, tokenizer = load_target(cfg.target, dtype=dtype, device=cfg.device, threads=cfg.threads)
     n_layers = target.config.get_text_config().num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(n_layers, cfg.num_target_features or cfg.num_layers)
     records = read_dataset(cfg.data, tokenizer)
-    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=cfg.dtype)
+    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=dtype)
     print(json.dumps({"features": cfg.features, "records": len(records), "target_layer_ids": ids}))
     return 0
 

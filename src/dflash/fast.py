@@ -118,6 +118,10 @@ def _norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=_eps(module)).to(x.dtype)
 
 
+def _weight(module: nn.Module | None) -> torch.Tensor | None:
+    return None if module is None else module.weight
+
+
 def _kernel_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # the same arithmetic in one op (kernels.cache_attention_kernel's library): PyTorch's takes five ops and tens
     # of microseconds for a step's few bf16 rows
@@ -174,6 +178,18 @@ class FastForward:
         half = on_cpu and dtype in (torch.bfloat16, torch.float16)
         self.upcast = half and not packable(model.get_output_embeddings().weight)
         self.dense_rows = PROMPT_DENSE_ROWS if (quantize is not None or self.upcast) else None
+        # a bf16 model on dflash's int4 kernel runs the layers of its eager steps in one C++ call (see
+        # decoder_layers in csrc/cache_attention.cpp): per layer some thirty small ops dispatched from Python
+        # cost more than the layer's products. Same arithmetic, row by row, as _forward.
+        self.layer_weights = None
+        if self.norm is _kernel_norm and self.cache_kernel and all(
+                isinstance(w, Int4Weight) and w.ours for L in self.layers for w in (L.wqkv, L.wo, L.wgu, L.wdown)):
+            self.layer_weights = [t for L in self.layers for t in (
+                L.ln1.weight, L.wqkv.qweight, L.wqkv.scales, L.bqkv, _weight(L.q_norm), _weight(L.k_norm),
+                L.wo.qweight, L.wo.scales, L.bo, L.ln2.weight, L.wgu.qweight, L.wgu.scales, L.bgu,
+                L.wdown.qweight, L.wdown.scales, L.bdown)]
+            self.linear_op = self.layers[0].wqkv.op.default._schema.name
+            self.eps = _eps(self.layers[0].ln1)
         self._compiled = self._graphed = None
         self.compile_seconds: dict[str, float] = {}  # shape class -> seconds of its first (compiling) call
 
@@ -287,7 +303,21 @@ class FastForward:
 
         def mm(x, w, b, parts):
             return _dense_linear(x, parts, self.upcast) if dense else _linear(x, w, b)
-        for i, (L, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+        if self.layer_weights is not None and few and not dense and write_slots is None:
+            for layer in cache.layers:
+                if not layer.is_initialized:
+                    kv = x.new_empty(b, nkv, 1, d)
+                    layer.lazy_initialization(kv, kv)
+            taps_sorted = sorted(tap_set)
+            x, tapped = torch.ops.dflash_attn.decoder_layers(
+                x, cos[:, 0], sin[:, 0], visible[:, 0], pointer, [c.keys for c in cache.layers],
+                [c.values for c in cache.layers], self.layer_weights, taps_sorted, nh, nkv, self.eps, self.scaling,
+                self.linear_op)
+            taps = dict(zip(taps_sorted, tapped))
+            layers = ()
+        else:
+            layers = zip(self.layers, cache.layers)
+        for i, (L, layer_cache) in enumerate(layers):
             h = self.norm(L.ln1, x)
             qkv = mm(h, L.wqkv, L.bqkv, L.parts[0])
             qk, vs = qkv.split([(nh + nkv) * d, nkv * d], dim=-1)

@@ -71,6 +71,13 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def fast_bf16(device: torch.device | str) -> bool:
+    """Whether bf16 products pay on `device`: on a GPU, and on a CPU whose oneDNN packs bf16 weights. Elsewhere
+    (AVX2 only) PyTorch's bf16 matrix products fall back to a generic loop many times slower than fp32."""
+    device = torch.device(device)
+    return device.type != "cpu" or (_ONEDNN and _cpu_packs(torch.bfloat16))
+
+
 def packable(w: torch.Tensor) -> bool:
     """Whether products with weight w [out, in] are exact and faster through a prepacked oneDNN weight."""
     return (_ONEDNN and w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and w.dim() == 2

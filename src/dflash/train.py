@@ -61,9 +61,10 @@ class TrainConfig:
     batch_size: int = 1  # sequences per optimizer step per process (before accumulation)
     grad_accum: int = 1
     grad_clip: float = 1.0
-    dtype: str = "bfloat16"  # the target's dtype (the draft trains in fp32)
+    dtype: str = "auto"  # the target's dtype (the draft trains in fp32); auto: bf16 where it pays (fast_bf16)
     save_dtype: str = "float32"  # of the exported draft (final/); checkpoints always keep fp32 weights
-    autocast: str | None = None  # "bfloat16": the draft's products in bf16 (fp32 master weights and optimizer)
+    # "bfloat16": the draft's products in bf16 (fp32 master weights and optimizer); "auto": bf16 where it pays
+    autocast: str | None = None
     seed: int = 0
     save_interval: int = 500
     eval_interval: int = 500
@@ -193,6 +194,16 @@ def frequent_tokens(records: list[dict], n: int) -> list[int]:
 
     counts = Counter(t for r in records for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
     return [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n]]
+
+
+def precision(name: str | None, device) -> str | None:
+    """A training precision as asked, with "auto" resolved for `device`: bfloat16 where bf16 products pay
+    (kernels.fast_bf16), else float32."""
+    from .kernels import fast_bf16
+
+    if name != "auto":
+        return name
+    return "bfloat16" if fast_bf16(device) else "float32"
 
 
 def dataset_fingerprint(records: list[dict], max_length: int) -> str:
@@ -351,7 +362,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         raise DFlashError("no training data: pass one or more dataset folders (from `dflash regenerate`)")
     if target is None:
         device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-        target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=device, threads=cfg.threads)
+        target, tokenizer = load_target(cfg.target, dtype=precision(cfg.dtype, device), device=device,
+                                        threads=cfg.threads)
     target.requires_grad_(False)
     device = target.device
     records = read_dataset(cfg.data, tokenizer)
@@ -452,10 +464,11 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         pad_id = pad_id_for(tokenizer, default_stop_token_ids(target))
     elif is_main and eval_idx:
         eval_sets = {"held-out": held_out_prompts([records[i] for i in eval_idx])}
-    if cfg.autocast not in (None, "bfloat16"):
-        raise DFlashError(f"--autocast {cfg.autocast!r}: expected bfloat16 (or leave it unset for fp32)")
+    if cfg.autocast not in (None, "bfloat16", "auto"):
+        raise DFlashError(f"--autocast {cfg.autocast!r}: expected bfloat16 or auto (or leave it unset for fp32)")
     # the draft's products in bf16 where asked; its weights, gradients and optimizer state stay fp32
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bfloat16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=precision(cfg.autocast, device) == "bfloat16")
     log_path = out / "log.jsonl"
     bar = tqdm(total=last, initial=step, unit="step", desc="train", disable=not (progress and is_main),
                dynamic_ncols=True)

@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -30,6 +31,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -219,6 +223,23 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out.to(q.scalar_type());
 }
 
+// one row of HF's RMSNorm in bf16 (see the header): statistics in fp32, the normed row rounded, times the weight
+void norm_row(const at::BFloat16* in, const at::BFloat16* w, at::BFloat16* out, int64_t K, float eps) {
+  float part[kLanes] = {};
+  for (int64_t k = 0; k < K; k += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = to_float(in[k + l]);
+      part[l] += v * v;
+    }
+  for (int64_t h = kLanes / 2; h > 0; h /= 2)
+    for (int64_t l = 0; l < h; ++l) part[l] += part[l + h];
+  const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) {
+    const at::BFloat16 normed(to_float(in[k]) * inv);
+    out[k] = at::BFloat16(to_float(normed) * to_float(w[k]));
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
@@ -233,24 +254,177 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   // a step's few rows are done by one thread: waking the others costs more than the work
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const at::BFloat16* in = xp + r * K;
-      float part[kLanes] = {};
-      for (int64_t k = 0; k < K; k += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const float v = to_float(in[k + l]);
-          part[l] += v * v;
-        }
-      for (int64_t w = kLanes / 2; w > 0; w /= 2)
-        for (int64_t l = 0; l < w; ++l) part[l] += part[l + w];
-      const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(K) + static_cast<float>(eps));
-      for (int64_t k = 0; k < K; ++k) {
-        const at::BFloat16 normed(to_float(in[k]) * inv);
-        yp[r * K + k] = at::BFloat16(to_float(normed) * to_float(wp[k]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * K, wp, yp + r * K, K, static_cast<float>(eps));
   });
   return y;
+}
+
+// ---- decoder_layers: a step's whole stack of decoder layers in one call ----
+// A decode or verify step of a small model on a CPU spends more time dispatching some thirty small PyTorch ops
+// per layer (views, copies, RoPE's five, residual adds) from Python than in its products. This runs the layers
+// of a Llama-family model (Llama, Qwen2, Qwen3, Mistral) with bf16 activations here, op for op as the fast
+// runtime's Python forward does them: RMSNorm (norm_row), the fused q/k/v product, per-head q/k norms (Qwen3),
+// RoPE, the keys and values written at slots pointer.. of the cache, attention (one_group), the output
+// product, the residual, the fused gate/up product, SiLU(gate) * up, the down product, the residual. Every
+// elementwise step rounds to bf16 where PyTorch's bf16 op would, and the products go to the library's linear
+// op (dflash's int4 kernel) through the dispatcher. Each row and query is computed alone, as everywhere here.
+//
+// weights: per layer kPerLayer tensors (absent ones None), in the order of the W enum below.
+enum W { kLn1, kQkv, kQkvS, kQkvB, kQNorm, kKNorm, kO, kOS, kOB, kLn2, kGu, kGuS, kGuB, kDown, kDownS, kDownB, kPerLayer };
+
+inline at::BFloat16 bf16(float x) { return at::BFloat16(x); }  // rounds to nearest even, as PyTorch does
+
+using LinearOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
+
+// y = x @ W^T (+ bias, added in bf16 as PyTorch's bf16 add rounds it)
+at::Tensor product(const LinearOp& op, const at::Tensor& x, const std::optional<at::Tensor>& q,
+                   const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& bias) {
+  at::Tensor y = op.call(x, *q, *s);
+  if (bias.has_value()) {
+    const int64_t N = y.size(1);
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    const at::BFloat16* bp = bias->data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = bf16(to_float(yp[i]) + to_float(bp[i % N]));
+  }
+  return y;
+}
+
+// silu(g) * u for one row, each rounded to bf16 as PyTorch's two ops round. silu(g) = g / (1 + e^-g), with
+// e^-|g| (exp16 takes arguments <= 0) so that no exponential overflows: for g < 0, g e^g / (1 + e^g)
+void silu_mul_row(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, int64_t I) {
+  float gv[kLanes], e[kLanes], neg[kLanes];
+  for (int64_t i = 0; i < I; i += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, I - i);
+    for (int64_t l = 0; l < kLanes; ++l) {
+      gv[l] = l < n ? to_float(g[i + l]) : 0.0f;
+      neg[l] = -std::fabs(gv[l]);
+    }
+    exp16(neg, e);
+    for (int64_t l = 0; l < n; ++l) {
+      const float silu = gv[l] >= 0.0f ? gv[l] / (1.0f + e[l]) : gv[l] * e[l] / (1.0f + e[l]);
+      out[i + l] = bf16(to_float(bf16(silu)) * to_float(u[i + l]));
+    }
+  }
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
+    const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& visible, int64_t pointer,
+    at::TensorList keys, at::TensorList values, const c10::List<std::optional<at::Tensor>>& weights,
+    at::IntArrayRef taps, int64_t heads, int64_t kv_heads, double eps_d, double scale_d, c10::string_view linear) {
+  const int64_t L = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
+              "decoder_layers: x must be a bf16 CPU tensor [b, q, hidden], got ", x_in.sizes(), " ", x_in.scalar_type());
+  TORCH_CHECK(values.size() == keys.size() && static_cast<int64_t>(weights.size()) == L * kPerLayer,
+              "decoder_layers: ", L, " layers' caches need ", L * kPerLayer, " weights and as many value caches");
+  const int64_t b = x_in.size(0), nq = x_in.size(1), H = x_in.size(2), M = b * nq;
+  const int64_t d = cos.size(-1), half = d / 2, T = pointer + nq, groups = heads / kv_heads;
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == M * d && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16,
+              "decoder_layers: cos and sin must be bf16 [b, q, head_dim]");
+  TORCH_CHECK(d % kLanes == 0 && heads % kv_heads == 0 && H % kLanes == 0, "decoder_layers: bad head sizes");
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.size(0) == b &&
+                  visible.size(1) == nq && visible.size(2) == T,
+              "decoder_layers: visible must be bool [b, q, pointer + q]");
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(keys[i].scalar_type() == at::kBFloat16 && values[i].scalar_type() == at::kBFloat16 &&
+                    keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].dim() == 4 &&
+                    keys[i].size(0) >= b && keys[i].size(1) == kv_heads && keys[i].size(2) >= T &&
+                    keys[i].size(3) == d && values[i].sizes() == keys[i].sizes(),
+                "decoder_layers: layer ", i, "'s cache must be contiguous bf16 [>= b, kv_heads, >= pointer + q, d]");
+  const LinearOp op = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow(std::string(linear).c_str(), "")
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
+  const at::BFloat16* cp = cos.contiguous().data_ptr<at::BFloat16>();
+  const at::Tensor sin_c = sin.contiguous(), vis = visible.contiguous();
+  const at::BFloat16* sp = sin_c.data_ptr<at::BFloat16>();
+  const bool* mp = vis.data_ptr<bool>();
+  const auto opts = x_in.options();
+  at::Tensor x = x_in.reshape({M, H}).clone();
+  at::Tensor h = at::empty({M, H}, opts), o = at::empty({M, heads * d}, opts);
+  at::Tensor qf = at::empty({b, heads, nq, d}, opts.dtype(at::kFloat)), of = at::empty_like(qf);
+  std::vector<at::BFloat16> rot(d);
+  std::vector<at::Tensor> tapped;
+  auto add_into_x = [&](const at::Tensor& y) {
+    at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    const at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < M * H; ++i) xp[i] = bf16(to_float(xp[i]) + to_float(yp[i]));
+  };
+  auto norm_rows = [&](const at::BFloat16* in, const at::BFloat16* w, at::BFloat16* out, int64_t rows, int64_t K) {
+    for (int64_t r = 0; r < rows; ++r) norm_row(in + r * K, w, out + r * K, K, eps);
+  };
+  for (int64_t li = 0; li < L; ++li) {
+    const auto w = [&](W k) { return weights.get(li * kPerLayer + k); };
+    norm_rows(x.data_ptr<at::BFloat16>(), w(kLn1)->data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(), M, H);
+    at::Tensor qkv = product(op, h, w(kQkv), w(kQkvS), w(kQkvB));  // [M, (heads + 2 kv_heads) d]
+    at::BFloat16* qkvp = qkv.data_ptr<at::BFloat16>();
+    const int64_t width = (heads + 2 * kv_heads) * d;
+    if (w(kQNorm).has_value()) {  // in place, per head: each normed head is read only by RoPE below
+      const at::BFloat16* qn = w(kQNorm)->data_ptr<at::BFloat16>();
+      const at::BFloat16* kn = w(kKNorm)->data_ptr<at::BFloat16>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
+          at::BFloat16* row = qkvp + m * width + hh * d;
+          std::copy(row, row + d, rot.begin());
+          norm_row(rot.data(), hh < heads ? qn : kn, row, d, eps);
+        }
+    }
+    // RoPE as the Python forward's x * cos + roll(x, d/2) * sin (`sin` comes with its first half negated), each
+    // product and the sum rounded to bf16; queries to fp32 for attention, keys and values into the cache
+    at::BFloat16* kc = keys[li].data_ptr<at::BFloat16>();
+    at::BFloat16* vc = values[li].data_ptr<at::BFloat16>();
+    const int64_t cap = keys[li].size(2), kvs = keys[li].size(1) * cap * d;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t bi = m / nq, t = m % nq;
+      const at::BFloat16* c = cp + m * d;
+      const at::BFloat16* sn = sp + m * d;
+      for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
+        const at::BFloat16* in = qkvp + m * width + hh * d;
+        for (int64_t i = 0; i < d; ++i) {
+          rot[i] = bf16(to_float(bf16(to_float(in[i]) * to_float(c[i]))) +
+                        to_float(bf16(to_float(in[(i + half) % d]) * to_float(sn[i]))));
+        }
+        if (hh < heads) {
+          float* qrow = qf.data_ptr<float>() + ((bi * heads + hh) * nq + t) * d;
+          for (int64_t i = 0; i < d; ++i) qrow[i] = to_float(rot[i]);
+        } else {
+          std::copy(rot.begin(), rot.end(), kc + bi * kvs + ((hh - heads) * cap + pointer + t) * d);
+        }
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const at::BFloat16* in = qkvp + m * width + (heads + kv_heads + g) * d;
+        std::copy(in, in + d, vc + bi * kvs + (g * cap + pointer + t) * d);
+      }
+    }
+    float* ofp = of.data_ptr<float>();
+    at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bi = task / kv_heads, g = task % kv_heads;
+        const int64_t off = (bi * heads + g * groups) * nq * d;
+        head_group(qf.data_ptr<float>() + off, kc + bi * kvs + g * cap * d, vc + bi * kvs + g * cap * d,
+                   mp + bi * nq * T, ofp + off, groups, nq, T, d, d, d, scale);
+      }
+    });
+    at::BFloat16* opp = o.data_ptr<at::BFloat16>();  // [b, q, heads * d]
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t bi = m / nq, t = m % nq;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* src = ofp + ((bi * heads + hh) * nq + t) * d;
+        for (int64_t i = 0; i < d; ++i) opp[(m * heads + hh) * d + i] = bf16(src[i]);
+      }
+    }
+    add_into_x(product(op, o, w(kO), w(kOS), w(kOB)));
+    norm_rows(x.data_ptr<at::BFloat16>(), w(kLn2)->data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(), M, H);
+    at::Tensor gu = product(op, h, w(kGu), w(kGuS), w(kGuB));  // [M, 2I]: gate, then up
+    const int64_t I = gu.size(1) / 2;
+    at::Tensor act = at::empty({M, I}, opts);
+    for (int64_t m = 0; m < M; ++m)
+      silu_mul_row(gu.data_ptr<at::BFloat16>() + m * 2 * I, gu.data_ptr<at::BFloat16>() + m * 2 * I + I,
+                   act.data_ptr<at::BFloat16>() + m * I, I);
+    add_into_x(product(op, act, w(kDown), w(kDownS), w(kDownB)));
+    if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(x.view({b, nq, H}).clone());
+  }
+  return {x.view({b, nq, H}), tapped};
 }
 
 }  // namespace
@@ -258,9 +432,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY(dflash_attn, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor visible, int pointer, Tensor(a!)[] keys, "
+        "Tensor(b!)[] values, Tensor?[] weights, int[] taps, int heads, int kv_heads, float eps, float scale, "
+        "str linear) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
   m.impl("cache_attention", &cache_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("decoder_layers", &decoder_layers);
 }
