@@ -334,3 +334,18 @@ def test_rms_norm_kernel_is_hfs_norm_and_a_row_does_not_depend_on_the_batch():
     assert torch.equal(torch.ops.dflash_attn.rms_norm(x.t().contiguous().t(), module.weight, 1e-5), y)  # strided
     with pytest.raises(RuntimeError, match="rms_norm: x must be a bf16 CPU tensor"):
         torch.ops.dflash_attn.rms_norm(x.float(), module.weight, 1e-5)
+
+
+@needs_attention_kernel
+def test_silu_mul_kernel_is_pytorchs_and_a_row_does_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(6)
+    gu = (torch.randn(9, 2, 400, generator=g) * 4).bfloat16()  # gate then up, over every range SiLU has
+    gu[0, 0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])  # saturated both ways, and zeros
+    y = torch.ops.dflash_attn.silu_mul(gu.view(9, 800))
+    gate, up = gu.unbind(1)
+    ref = F.silu(gate) * up  # PyTorch's two bf16 ops
+    assert y.shape == (9, 400) and torch.allclose(y.float(), ref.float(), rtol=2 ** -7, atol=1e-30)
+    assert (y == ref).float().mean() > 0.99  # only an fp32 ulp of the exponential apart before the rounding
+    assert torch.equal(torch.cat([torch.ops.dflash_attn.silu_mul(gu[i].view(1, 800)) for i in range(9)]), y)
+    with pytest.raises(RuntimeError, match="silu_mul: expected a bf16 CPU tensor"):
+        torch.ops.dflash_attn.silu_mul(gu.float().view(9, 800))

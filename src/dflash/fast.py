@@ -122,6 +122,11 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
     return None if module is None else module.weight
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _kernel_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # the same arithmetic in one op (kernels.cache_attention_kernel's library): PyTorch's takes five ops and tens
     # of microseconds for a step's few bf16 rows
@@ -165,6 +170,8 @@ class FastForward:
         self.expand_kv = not on_cpu and self.gqa
         self.norm = _kernel_norm if (on_cpu and dtype == torch.bfloat16 and cfg.hidden_size % 16 == 0 and
                                      self.head_dim % 16 == 0 and cache_attention_kernel()) else _norm
+        # with the norm op, SiLU(gate) * up is the library's op too: the arithmetic decoder_layers does
+        self.silu_mul = torch.ops.dflash_attn.silu_mul if self.norm is _kernel_norm else _silu_mul
         self.attn_dtype = dtype if (self.cache_kernel or not on_cpu) else torch.float32
         # Kernels made for the few rows of a step can be slow for a prompt's hundreds. Where the CPU has no
         # bf16/fp16 matmul kernels (AVX2-only: oneDNN will not pack the weights), PyTorch's fallback costs about
@@ -341,8 +348,8 @@ class FastForward:
                 o = F.scaled_dot_product_attention(qs.to(sdpa_dtype), ks, vs, attn_mask=mask, scale=self.scaling,
                                                    enable_gqa=self.gqa and not self.expand_kv)
             x = x + mm(o.to(x.dtype).transpose(1, 2).reshape(b, q, nh * d), L.wo, L.bo, L.parts[1])
-            gate, lift = mm(self.norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]).chunk(2, dim=-1)
-            x = x + mm(F.silu(gate) * lift, L.wdown, L.bdown, L.parts[3])
+            act = self.silu_mul(mm(self.norm(L.ln2, x), L.wgu, L.bgu, L.parts[2]))
+            x = x + mm(act, L.wdown, L.bdown, L.parts[3])
             if i in tap_set:
                 taps[i] = x
         torch._foreach_add_([c.cumulative_length for c in cache.layers], q)

@@ -295,7 +295,8 @@ def _attention_build() -> str | None:
         return f"no build for {platform.machine()} yet"
     isa = max_cpu_isa()
     arch = ["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-march=native"]
-    flags = ["-O3", "-fopenmp", *arch]
+    # -fno-trapping-math: loops with selects (SiLU, exp, rounding) vectorise; no value changes (no reassociation)
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", *arch]
     # -march=native code is for this CPU only: its build folder is named by the CPU's flags
     cpu = hashlib.sha256(" ".join(sorted(cpu_flags() or [])).encode()).hexdigest()[:12]
     try:
@@ -309,6 +310,7 @@ def _attention_build() -> str | None:
         return str(e)
     torch.library.register_fake("dflash_attn::cache_attention")(lambda q, k, v, visible, scale: q.new_empty(q.shape))
     torch.library.register_fake("dflash_attn::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+    torch.library.register_fake("dflash_attn::silu_mul")(lambda gu: gu.new_empty(*gu.shape[:-1], gu.shape[-1] // 2))
     return None
 
 

@@ -49,26 +49,29 @@ inline float to_float(at::BFloat16 x) {
   return f;
 }
 
-// exp(x) for x <= 0 (x = score - max), lane by lane: exp(x) = 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p a
-// degree-6 Taylor polynomial (relative error below 2e-7). Written for a fixed 16-element loop without calls or
-// branches, so every element goes through the same vector instructions.
-__attribute__((noinline)) void exp16(const float* __restrict x, float* __restrict y) {
+// exp(x) for x <= 0: exp(x) = 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p a degree-6 Taylor polynomial (relative
+// error below 2e-7); exactly 0 below -87 (and for -inf). Branch-free float arithmetic, inlined into loops the
+// compiler vectorises, so every element goes through the same instructions.
+inline float exp_nonpositive(float x) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float v = x > -87.0f ? x : -87.0f;
+  const float n = (v * 1.44269504088896341f + kRound) - kRound;
+  const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x >= -87.0f ? p * two_n : 0.0f;
+}
+
+// 16 of them (the softmax's lanes)
+__attribute__((noinline)) void exp16(const float* __restrict x, float* __restrict y) {
 #pragma omp simd
-  for (int l = 0; l < kLanes; ++l) {
-    const float v = x[l] > -87.0f ? x[l] : -87.0f;
-    const float n = (v * 1.44269504088896341f + kRound) - kRound;
-    const float r = (v - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const float two_n = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-    y[l] = x[l] >= -87.0f ? p * two_n : 0.0f;  // below, and for a masked score (-inf): exactly 0
-  }
+  for (int l = 0; l < kLanes; ++l) y[l] = exp_nonpositive(x[l]);
 }
 
 // One key/value head of one batch row: its `groups` query heads x `nq` queries. D: the head size when it is a
@@ -223,21 +226,28 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return out.to(q.scalar_type());
 }
 
+// bf16 as its bits, in loops the compiler vectorises: widening is exact; rounding is to nearest even with NaN
+// kept quiet, as c10::BFloat16 (PyTorch's bf16 ops) rounds
+inline float widen(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+inline uint16_t round_bf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : static_cast<uint16_t>(r);
+}
+inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
 // one row of HF's RMSNorm in bf16 (see the header): statistics in fp32, the normed row rounded, times the weight
-void norm_row(const at::BFloat16* in, const at::BFloat16* w, at::BFloat16* out, int64_t K, float eps) {
+void norm_row(const uint16_t* in, const uint16_t* w, uint16_t* out, int64_t K, float eps) {
   float part[kLanes] = {};
   for (int64_t k = 0; k < K; k += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const float v = to_float(in[k + l]);
-      part[l] += v * v;
-    }
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += widen(in[k + l]) * widen(in[k + l]);
   for (int64_t h = kLanes / 2; h > 0; h /= 2)
     for (int64_t l = 0; l < h; ++l) part[l] += part[l + h];
   const float inv = 1.0f / std::sqrt(part[0] / static_cast<float>(K) + eps);
-  for (int64_t k = 0; k < K; ++k) {
-    const at::BFloat16 normed(to_float(in[k]) * inv);
-    out[k] = at::BFloat16(to_float(normed) * to_float(w[k]));
-  }
+#pragma omp simd
+  for (int64_t k = 0; k < K; ++k) out[k] = round_bf16(widen(round_bf16(widen(in[k]) * inv)) * widen(w[k]));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -249,9 +259,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty_like(xc);
   const int64_t rows = K ? xc.numel() / K : 0;
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const uint16_t *xp = bits(xc), *wp = bits(wc);
+  uint16_t* yp = bits(y);
   // a step's few rows are done by one thread: waking the others costs more than the work
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(xp + r * K, wp, yp + r * K, K, static_cast<float>(eps));
@@ -272,8 +281,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // weights: per layer kPerLayer tensors (absent ones None), in the order of the W enum below.
 enum W { kLn1, kQkv, kQkvS, kQkvB, kQNorm, kKNorm, kO, kOS, kOB, kLn2, kGu, kGuS, kGuB, kDown, kDownS, kDownB, kPerLayer };
 
-inline at::BFloat16 bf16(float x) { return at::BFloat16(x); }  // rounds to nearest even, as PyTorch does
-
 using LinearOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
 
 // y = x @ W^T (+ bias, added in bf16 as PyTorch's bf16 add rounds it)
@@ -282,29 +289,61 @@ at::Tensor product(const LinearOp& op, const at::Tensor& x, const std::optional<
   at::Tensor y = op.call(x, *q, *s);
   if (bias.has_value()) {
     const int64_t N = y.size(1);
-    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-    const at::BFloat16* bp = bias->data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < y.numel(); ++i) yp[i] = bf16(to_float(yp[i]) + to_float(bp[i % N]));
+    uint16_t* yp = bits(y);
+    const uint16_t* bp = bits(*bias);
+    for (int64_t m = 0; m < y.size(0); ++m)
+#pragma omp simd
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = round_bf16(widen(yp[m * N + n]) + widen(bp[n]));
   }
   return y;
 }
 
-// silu(g) * u for one row, each rounded to bf16 as PyTorch's two ops round. silu(g) = g / (1 + e^-g), with
-// e^-|g| (exp16 takes arguments <= 0) so that no exponential overflows: for g < 0, g e^g / (1 + e^g)
-void silu_mul_row(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* out, int64_t I) {
-  float gv[kLanes], e[kLanes], neg[kLanes];
-  for (int64_t i = 0; i < I; i += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, I - i);
-    for (int64_t l = 0; l < kLanes; ++l) {
-      gv[l] = l < n ? to_float(g[i + l]) : 0.0f;
-      neg[l] = -std::fabs(gv[l]);
-    }
-    exp16(neg, e);
-    for (int64_t l = 0; l < n; ++l) {
-      const float silu = gv[l] >= 0.0f ? gv[l] / (1.0f + e[l]) : gv[l] * e[l] / (1.0f + e[l]);
-      out[i + l] = bf16(to_float(bf16(silu)) * to_float(u[i + l]));
-    }
+// x += y in bf16, row by row
+void add_rows(uint16_t* x, const uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = round_bf16(widen(x[i]) + widen(y[i]));
+}
+
+// silu(g) * u for one row of g and u, each rounded to bf16 as PyTorch's two bf16 ops round. silu(g) =
+// g / (1 + e^-g), through e^-|g| so that no exponential overflows: for g < 0 it is g e^g / (1 + e^g)
+void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t I) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float gv = widen(g[i]);
+    const float e = exp_nonpositive(-std::fabs(gv));
+    const float silu = (gv >= 0.0f ? gv : gv * e) / (1.0f + e);
+    out[i] = round_bf16(widen(round_bf16(silu)) * widen(u[i]));
   }
+}
+
+// SiLU(gate) * up of a fused gate/up product [..., 2I] (gate first), bf16: the arithmetic decoder_layers uses,
+// for the Python forward too, so that both compute the same bits
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == at::kBFloat16 && gu.size(-1) % 2 == 0,
+              "silu_mul: expected a bf16 CPU tensor [..., 2I], got ", gu.sizes(), " ", gu.scalar_type());
+  const at::Tensor c = gu.contiguous();
+  const int64_t I = c.size(-1) / 2, rows = I ? c.numel() / (2 * I) : 0;
+  std::vector<int64_t> shape(c.sizes().begin(), c.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, c.options());
+  const uint16_t* gp = bits(c);
+  uint16_t* op = bits(out);
+  for (int64_t r = 0; r < rows; ++r) silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, op + r * I, I);
+  return out;
+}
+
+// RoPE of one head as the Python forward's x * cos + roll(x, d/2) * sin (`sin` comes with its first half
+// negated), each product and the sum rounded to bf16
+void rope_row(const uint16_t* in, const uint16_t* c, const uint16_t* sn, uint16_t* out, int64_t d) {
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i)
+    out[i] = round_bf16(widen(round_bf16(widen(in[i]) * widen(c[i]))) +
+                        widen(round_bf16(widen(in[i + half]) * widen(sn[i]))));
+#pragma omp simd
+  for (int64_t i = half; i < d; ++i)
+    out[i] = round_bf16(widen(round_bf16(widen(in[i]) * widen(c[i]))) +
+                        widen(round_bf16(widen(in[i - half]) * widen(sn[i]))));
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
@@ -317,7 +356,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   TORCH_CHECK(values.size() == keys.size() && static_cast<int64_t>(weights.size()) == L * kPerLayer,
               "decoder_layers: ", L, " layers' caches need ", L * kPerLayer, " weights and as many value caches");
   const int64_t b = x_in.size(0), nq = x_in.size(1), H = x_in.size(2), M = b * nq;
-  const int64_t d = cos.size(-1), half = d / 2, T = pointer + nq, groups = heads / kv_heads;
+  const int64_t d = cos.size(-1), T = pointer + nq, groups = heads / kv_heads, width = (heads + 2 * kv_heads) * d;
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == M * d && cos.scalar_type() == at::kBFloat16 &&
                   sin.scalar_type() == at::kBFloat16,
               "decoder_layers: cos and sin must be bf16 [b, q, head_dim]");
@@ -335,93 +374,79 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
                           .findSchemaOrThrow(std::string(linear).c_str(), "")
                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
-  const at::BFloat16* cp = cos.contiguous().data_ptr<at::BFloat16>();
-  const at::Tensor sin_c = sin.contiguous(), vis = visible.contiguous();
-  const at::BFloat16* sp = sin_c.data_ptr<at::BFloat16>();
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous(), vis = visible.contiguous();
+  const uint16_t *cp = bits(cos_c), *sp = bits(sin_c);
   const bool* mp = vis.data_ptr<bool>();
   const auto opts = x_in.options();
   at::Tensor x = x_in.reshape({M, H}).clone();
   at::Tensor h = at::empty({M, H}, opts), o = at::empty({M, heads * d}, opts);
   at::Tensor qf = at::empty({b, heads, nq, d}, opts.dtype(at::kFloat)), of = at::empty_like(qf);
-  std::vector<at::BFloat16> rot(d);
+  uint16_t *xp = bits(x), *hp = bits(h), *opp = bits(o);
+  float *qfp = qf.data_ptr<float>(), *ofp = of.data_ptr<float>();
+  std::vector<uint16_t> rot(d);
   std::vector<at::Tensor> tapped;
-  auto add_into_x = [&](const at::Tensor& y) {
-    at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    const at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < M * H; ++i) xp[i] = bf16(to_float(xp[i]) + to_float(yp[i]));
-  };
-  auto norm_rows = [&](const at::BFloat16* in, const at::BFloat16* w, at::BFloat16* out, int64_t rows, int64_t K) {
-    for (int64_t r = 0; r < rows; ++r) norm_row(in + r * K, w, out + r * K, K, eps);
-  };
   for (int64_t li = 0; li < L; ++li) {
     const auto w = [&](W k) { return weights.get(li * kPerLayer + k); };
-    norm_rows(x.data_ptr<at::BFloat16>(), w(kLn1)->data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(), M, H);
+    for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*w(kLn1)), hp + m * H, H, eps);
     at::Tensor qkv = product(op, h, w(kQkv), w(kQkvS), w(kQkvB));  // [M, (heads + 2 kv_heads) d]
-    at::BFloat16* qkvp = qkv.data_ptr<at::BFloat16>();
-    const int64_t width = (heads + 2 * kv_heads) * d;
+    uint16_t* qkvp = bits(qkv);
     if (w(kQNorm).has_value()) {  // in place, per head: each normed head is read only by RoPE below
-      const at::BFloat16* qn = w(kQNorm)->data_ptr<at::BFloat16>();
-      const at::BFloat16* kn = w(kKNorm)->data_ptr<at::BFloat16>();
       for (int64_t m = 0; m < M; ++m)
         for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
-          at::BFloat16* row = qkvp + m * width + hh * d;
+          uint16_t* row = qkvp + m * width + hh * d;
           std::copy(row, row + d, rot.begin());
-          norm_row(rot.data(), hh < heads ? qn : kn, row, d, eps);
+          norm_row(rot.data(), bits(*w(hh < heads ? kQNorm : kKNorm)), row, d, eps);
         }
     }
-    // RoPE as the Python forward's x * cos + roll(x, d/2) * sin (`sin` comes with its first half negated), each
-    // product and the sum rounded to bf16; queries to fp32 for attention, keys and values into the cache
-    at::BFloat16* kc = keys[li].data_ptr<at::BFloat16>();
-    at::BFloat16* vc = values[li].data_ptr<at::BFloat16>();
-    const int64_t cap = keys[li].size(2), kvs = keys[li].size(1) * cap * d;
+    // queries rotated and widened to fp32 for attention; keys rotated and values into the cache
+    uint16_t* kc = bits(const_cast<at::Tensor&>(keys[li]));
+    uint16_t* vc = bits(const_cast<at::Tensor&>(values[li]));
+    const int64_t cap = keys[li].size(2), kvs = kv_heads * cap * d;
     for (int64_t m = 0; m < M; ++m) {
       const int64_t bi = m / nq, t = m % nq;
-      const at::BFloat16* c = cp + m * d;
-      const at::BFloat16* sn = sp + m * d;
       for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
-        const at::BFloat16* in = qkvp + m * width + hh * d;
-        for (int64_t i = 0; i < d; ++i) {
-          rot[i] = bf16(to_float(bf16(to_float(in[i]) * to_float(c[i]))) +
-                        to_float(bf16(to_float(in[(i + half) % d]) * to_float(sn[i]))));
-        }
+        const uint16_t* in = qkvp + m * width + hh * d;
         if (hh < heads) {
-          float* qrow = qf.data_ptr<float>() + ((bi * heads + hh) * nq + t) * d;
-          for (int64_t i = 0; i < d; ++i) qrow[i] = to_float(rot[i]);
+          rope_row(in, cp + m * d, sp + m * d, rot.data(), d);
+          float* qrow = qfp + ((bi * heads + hh) * nq + t) * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) qrow[i] = widen(rot[i]);
         } else {
-          std::copy(rot.begin(), rot.end(), kc + bi * kvs + ((hh - heads) * cap + pointer + t) * d);
+          rope_row(in, cp + m * d, sp + m * d, kc + bi * kvs + ((hh - heads) * cap + pointer + t) * d, d);
         }
       }
       for (int64_t g = 0; g < kv_heads; ++g) {
-        const at::BFloat16* in = qkvp + m * width + (heads + kv_heads + g) * d;
+        const uint16_t* in = qkvp + m * width + (heads + kv_heads + g) * d;
         std::copy(in, in + d, vc + bi * kvs + (g * cap + pointer + t) * d);
       }
     }
-    float* ofp = of.data_ptr<float>();
+    const at::BFloat16* kb = keys[li].data_ptr<at::BFloat16>();
+    const at::BFloat16* vb = values[li].data_ptr<at::BFloat16>();
     at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t bi = task / kv_heads, g = task % kv_heads;
         const int64_t off = (bi * heads + g * groups) * nq * d;
-        head_group(qf.data_ptr<float>() + off, kc + bi * kvs + g * cap * d, vc + bi * kvs + g * cap * d,
-                   mp + bi * nq * T, ofp + off, groups, nq, T, d, d, d, scale);
+        head_group(qfp + off, kb + bi * kvs + g * cap * d, vb + bi * kvs + g * cap * d, mp + bi * nq * T, ofp + off,
+                   groups, nq, T, d, d, d, scale);
       }
     });
-    at::BFloat16* opp = o.data_ptr<at::BFloat16>();  // [b, q, heads * d]
-    for (int64_t m = 0; m < M; ++m) {
+    for (int64_t m = 0; m < M; ++m) {  // to [b, q, heads * d], rounded to bf16 as the Python path's .to() rounds
       const int64_t bi = m / nq, t = m % nq;
       for (int64_t hh = 0; hh < heads; ++hh) {
         const float* src = ofp + ((bi * heads + hh) * nq + t) * d;
-        for (int64_t i = 0; i < d; ++i) opp[(m * heads + hh) * d + i] = bf16(src[i]);
+        uint16_t* dst = opp + (m * heads + hh) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) dst[i] = round_bf16(src[i]);
       }
     }
-    add_into_x(product(op, o, w(kO), w(kOS), w(kOB)));
-    norm_rows(x.data_ptr<at::BFloat16>(), w(kLn2)->data_ptr<at::BFloat16>(), h.data_ptr<at::BFloat16>(), M, H);
+    add_rows(xp, bits(product(op, o, w(kO), w(kOS), w(kOB))), M * H);
+    for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*w(kLn2)), hp + m * H, H, eps);
     at::Tensor gu = product(op, h, w(kGu), w(kGuS), w(kGuB));  // [M, 2I]: gate, then up
     const int64_t I = gu.size(1) / 2;
     at::Tensor act = at::empty({M, I}, opts);
-    for (int64_t m = 0; m < M; ++m)
-      silu_mul_row(gu.data_ptr<at::BFloat16>() + m * 2 * I, gu.data_ptr<at::BFloat16>() + m * 2 * I + I,
-                   act.data_ptr<at::BFloat16>() + m * I, I);
-    add_into_x(product(op, act, w(kDown), w(kDownS), w(kDownB)));
+    const uint16_t* gup = bits(gu);
+    for (int64_t m = 0; m < M; ++m) silu_mul_row(gup + m * 2 * I, gup + m * 2 * I + I, bits(act) + m * I, I);
+    add_rows(xp, bits(product(op, act, w(kDown), w(kDownS), w(kDownB))), M * H);
     if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(x.view({b, nq, H}).clone());
   }
   return {x.view({b, nq, H}), tapped};
@@ -432,6 +457,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 TORCH_LIBRARY(dflash_attn, m) {
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor visible, int pointer, Tensor(a!)[] keys, "
         "Tensor(b!)[] values, Tensor?[] weights, int[] taps, int heads, int kv_heads, float eps, float scale, "
         "str linear) -> (Tensor, Tensor[])");
@@ -440,5 +466,6 @@ TORCH_LIBRARY(dflash_attn, m) {
 TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
   m.impl("cache_attention", &cache_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layers", &decoder_layers);
 }
