@@ -45,12 +45,8 @@ namespace {
 constexpr int64_t kGroup = 32;   // inputs per scale and low
 constexpr int64_t kTile = 16;    // outputs per register of 16 fp32
 constexpr int64_t kOctets = kGroup / 8;
-// rows per pass over the weight; more rows take more passes, from cache (AVX2 has half the registers)
-#if defined(__AVX512VNNI__)
+// rows per pass over the weight; more rows take more passes, from cache
 constexpr int64_t kMaxRows = 8;
-#else
-constexpr int64_t kMaxRows = 4;
-#endif
 
 inline __m256 fp16x8_to_fp32(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -132,64 +128,53 @@ void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const 
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
-// vpdpbusd's sum without VNNI: u8 x s8 pairs to int16 (at most 2 x 15 x 128: no saturation), pairs of those
-// to int32: the same four products per lane, added exactly
-inline __m256i dot4(__m256i acc, __m256i w, __m256i x, __m256i ones) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
-}
-
-// M rows x NT half-tiles (8 outputs each; half-tile h covers bytes 32(h%2).. of tile h/2's slabs) from
-// `half` on. Per row m and group g: xscale, and xoff = xscale * sum(xq).
-template <int M, int NT>
-void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
-                const uint16_t* scales, int64_t K, int64_t N, int64_t half, uint16_t* y) {
+// A group's 32 inputs x 8 outputs without VNNI: `vpmaddubsw` makes u8 x s8 pairs into int16 (at most
+// 2 x 15 x 127 = 3810), the group's eight of them (lo and hi nibbles of four octets) add up in int16 (at most
+// 30480: no overflow), and one `vpmaddwd` by ones makes each output's int32 sum. All exact: the same integers
+// vpdpbusd gives, for about half the instructions of widening every pair.
+//
+// One half-tile (8 outputs: half-tile h covers bytes 32(h%2).. of tile h/2's slabs) for M rows, group by group:
+// the group's weights are unpacked once into eight registers and multiplied into every row in turn, so the
+// weight streams through memory once for up to kMaxRows rows. Per row m and group g: xscale, and
+// xoff = xscale * sum(xq).
+template <int M>
+void half_tile(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
+               int64_t K, int64_t N, int64_t half, uint16_t* y) {
   const int64_t groups = K / kGroup, octets = K / 8;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[M][NT];
-  for (int m = 0; m < M; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm256_setzero_ps();
+  const uint8_t* slab = q + (half / 2) * octets * 64 + (half % 2) * 32;
+  const uint16_t* sl0 = scales + (half / 2) * groups * 2 * kTile + (half % 2) * 8;
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i dot[M][NT];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < NT; ++t) dot[m][t] = _mm256_setzero_si256();
-    for (int64_t o = g * kOctets; o < (g + 1) * kOctets; ++o) {
-      for (int t = 0; t < NT; ++t) {
-        const int64_t h = half + t;
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((h / 2) * octets + o) * 64 +
-                                                                              (h % 2) * 32));
-        const __m256i lo = _mm256_and_si256(w, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-        for (int m = 0; m < M; ++m) {
-          const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K) + 2 * o;
-          dot[m][t] = dot4(dot[m][t], lo, _mm256_set1_epi32(x4[0]), ones);
-          dot[m][t] = dot4(dot[m][t], hi, _mm256_set1_epi32(x4[1]), ones);
-        }
-      }
+    __m256i w[2 * kOctets];  // inputs 8o..8o+3 (lo) and 8o+4..8o+7 (hi) of each octet o of the group
+    for (int o = 0; o < kOctets; ++o) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kOctets + o) * 64));
+      w[2 * o] = _mm256_and_si256(packed, nibble);
+      w[2 * o + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
     }
-    for (int t = 0; t < NT; ++t) {
-      const int64_t h = half + t;
-      const uint16_t* sl = scales + ((h / 2) * groups + g) * 2 * kTile + (h % 2) * 8;
-      const __m256 scale = fp16x8_to_fp32(sl), low = fp16x8_to_fp32(sl + kTile);
-      for (int m = 0; m < M; ++m) {
-        const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g]));
-        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][t]), s, acc[m][t]);
-        acc[m][t] = _mm256_fmadd_ps(low, _mm256_set1_ps(xoff[m * groups + g]), acc[m][t]);
-      }
+    const uint16_t* sl = sl0 + g * 2 * kTile;
+    const __m256 scale = fp16x8_to_fp32(sl), low = fp16x8_to_fp32(sl + kTile);
+    for (int m = 0; m < M; ++m) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup);
+      __m256i sum16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(x4[0]));
+      for (int i = 1; i < 2 * kOctets; ++i)
+        sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x4[i])));
+      const __m256i dot = _mm256_madd_epi16(sum16, ones);
+      const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m]);
+      acc[m] = _mm256_fmadd_ps(low, _mm256_set1_ps(xoff[m * groups + g]), acc[m]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int t = 0; t < NT; ++t)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (half + t) * 8), fp32x8_to_bf16(acc[m][t]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + half * 8), fp32x8_to_bf16(acc[m]));
 }
 
-// Tiles [begin, end) for M rows, as half-tiles, NT at a time where 16 registers allow it
+// Tiles [begin, end) for M rows, half-tile by half-tile
 template <int M>
 void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                 int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
-  constexpr int NT = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  int64_t h = 2 * begin;
-  for (; h + NT <= 2 * end; h += NT) tile_block<M, NT>(xq, xscale, xoff, q, scales, K, N, h, y);
-  for (; h < 2 * end; ++h) tile_block<M, 1>(xq, xscale, xoff, q, scales, K, N, h, y);
+  for (int64_t h = 2 * begin; h < 2 * end; ++h) half_tile<M>(xq, xscale, xoff, q, scales, K, N, h, y);
 }
 
 #else
@@ -265,60 +250,51 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 //   scales  [N/8, K/32, 8] fp16: per tile and group, the 8 outputs' scales.
 
 constexpr int64_t kQ8Tile = 8;
-constexpr int64_t kQ8MaxRows = 4;  // rows per pass: two int32 sums and two fp32 sums per row and tile fit 16 registers
+constexpr int64_t kQuads = kGroup / 4;
 
-// s8 x s8 products of four inputs into each int32 lane: |w| times x carrying w's sign makes a u8 x s8 pair for
-// vpmaddubsw (at most 2 x 127 x 127 per int16: no saturation), and vpmaddwd adds the pairs exactly
-inline __m256i dot4_s8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w)), ones));
-}
-
-template <int M, int NT>
-void q8_block(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
-              int64_t tile, uint16_t* y) {
+// One tile (8 outputs) for M rows, group by group: the group's eight weight registers are loaded once and
+// multiplied into every row in turn, so the weight streams through memory once for up to kMaxRows rows.
+// s8 x s8 products of four inputs into each int32 lane: |x| times w carrying x's sign makes a u8 x s8 pair for
+// vpmaddubsw (at most 2 x 127 x 127 per int16: no saturation), and vpmaddwd adds the pairs exactly.
+template <int M>
+void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
+             int64_t tile, uint16_t* y) {
   const int64_t groups = K / kGroup, quads = K / 4;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[M][NT];
-  for (int m = 0; m < M; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm256_setzero_ps();
+  const int8_t* slab = q + tile * quads * 32;
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i dot[M][NT];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < NT; ++t) dot[m][t] = _mm256_setzero_si256();
-    for (int64_t o = g * (kGroup / 4); o < (g + 1) * (kGroup / 4); ++o) {
-      for (int t = 0; t < NT; ++t) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((tile + t) * quads + o) * 32));
-        const __m256i wabs = _mm256_abs_epi8(w);
-        for (int m = 0; m < M; ++m) {
-          const int32_t x4 = reinterpret_cast<const int32_t*>(xq + m * K)[o];
-          dot[m][t] = dot4_s8(dot[m][t], wabs, w, _mm256_set1_epi32(x4), ones);
-        }
+    __m256i w[kQuads];
+    for (int o = 0; o < kQuads; ++o)
+      w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kQuads + o) * 32));
+    const __m256 scale = fp16x8_to_fp32(scales + (tile * groups + g) * kQ8Tile);
+    for (int m = 0; m < M; ++m) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup);
+      __m256i dot = _mm256_setzero_si256();
+      for (int o = 0; o < kQuads; ++o) {
+        const __m256i x = _mm256_set1_epi32(x4[o]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x),
+                                                                           _mm256_sign_epi8(w[o], x)), ones));
       }
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m256 scale = fp16x8_to_fp32(scales + ((tile + t) * groups + g) * kQ8Tile);
-      for (int m = 0; m < M; ++m)
-        acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][t]),
-                                    _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g])), acc[m][t]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g])),
+                               acc[m]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int t = 0; t < NT; ++t)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + (tile + t) * kQ8Tile), fp32x8_to_bf16(acc[m][t]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + tile * kQ8Tile), fp32x8_to_bf16(acc[m]));
 }
 
 template <int M>
 void q8_rows(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
              int64_t begin, int64_t end, uint16_t* y) {
-  constexpr int NT = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  int64_t t = begin;
-  for (; t + NT <= end; t += NT) q8_block<M, NT>(xq, xscale, q, scales, K, N, t, y);
-  for (; t < end; ++t) q8_block<M, 1>(xq, xscale, q, scales, K, N, t, y);
+  for (int64_t t = begin; t < end; ++t) q8_tile<M>(xq, xscale, q, scales, K, N, t, y);
 }
 
 using Q8RowsFn = void (*)(const int8_t*, const float*, const int8_t*, const uint16_t*, int64_t, int64_t, int64_t,
                           int64_t, uint16_t*);
-constexpr Q8RowsFn kQ8Rows[kQ8MaxRows + 1] = {nullptr, q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>};
+constexpr Q8RowsFn kQ8Rows[kMaxRows + 1] = {nullptr,    q8_rows<1>, q8_rows<2>, q8_rows<3>, q8_rows<4>,
+                                            q8_rows<5>, q8_rows<6>, q8_rows<7>, q8_rows<8>};
 
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kBFloat16,
@@ -339,8 +315,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kQ8MaxRows) {
-      const int64_t rows = std::min(kQ8MaxRows, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int64_t rows = std::min(kMaxRows, M - m0);
       kQ8Rows[rows](xr.q.data() + m0 * K, xr.scale.data() + m0 * groups, qp, sp, K, N, begin, end, yp + m0 * N);
     }
   });
