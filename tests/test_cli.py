@@ -157,10 +157,20 @@ def test_bench_serve_runs_dflash_and_ar_servers(tiny_gguf, setup, tmp_path):
     assert r.returncode == 0, r.stderr + r.stdout
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(summary["throughput_ratio"]) == {"1", "3"} and summary["greedy_mismatches"] == 0
+    # the three prompts answered alone, then three at once: the same answers
+    assert summary["differences_from_solo"] == {m: {"compared": 3, "differing": 0} for m in ("dflash", "ar")}
     report = json.loads((out / "results.json").read_text())
     assert [row["concurrency"] for row in report["results"]["dflash"]] == [1, 3]
     assert all(row["tokens"] > 0 and row["ttft_p50_s"] > 0 for rows in report["results"].values() for row in rows)
     assert (out / "pareto.png").stat().st_size > 0
+
+
+def test_bench_serve_compares_answers_under_concurrency_with_answers_alone():
+    from dflash.bench_serve import differences_from_solo
+
+    rows = [{"concurrency": 1, "texts": ["a", "b"]}, {"concurrency": 4, "texts": ["a", "b", "a", "x"]}]
+    assert differences_from_solo(rows, 2) == {"compared": 4, "differing": 1}
+    assert differences_from_solo(rows[1:], 2) == {"compared": 0, "differing": 0}  # nothing alone to compare with
 
 
 def test_bench_serve_tells_near_ties_from_unexplained_differences(tiny_gguf):

@@ -3,7 +3,8 @@
 For every mode (DFlash, then plain decoding with --no-draft) it starts `dflash serve` in a subprocess (or
 measures --base-url), and for each concurrency level N runs N streaming clients that pull prompts from a
 shared list. Per level: total throughput, per-user tokens/s, TTFT and time per output token p50/p99, and τ
-(from the server's /metrics). Greedy outputs of the two modes are compared prompt by prompt. Writes
+(from the server's /metrics). Greedy outputs of the two modes are compared prompt by prompt, and each mode's
+answers under concurrency with its answers to the same prompts alone (concurrency 1). Writes
 results.json and a throughput-vs-interactivity plot (the Pareto curve); ends stdout with one JSON line.
 """
 
@@ -194,6 +195,18 @@ def classify_mismatches(args, prompts: list, results: dict) -> list[dict]:
     return found
 
 
+def differences_from_solo(rows: list[dict], num_prompts: int) -> dict:
+    """A server's greedy answers under concurrency > 1 against the same prompt's answer at concurrency 1 (the
+    request i of every level asks prompt i mod num_prompts): a row must not depend on who else is served."""
+    solo = next((r["texts"] for r in rows if r["concurrency"] == 1), None)
+    if solo is None:
+        return {"compared": 0, "differing": 0}
+    alone = {i % num_prompts: text for i, text in enumerate(solo)}
+    pairs = [(text, alone[i % num_prompts]) for r in rows if r["concurrency"] > 1
+             for i, text in enumerate(r["texts"]) if i % num_prompts in alone]
+    return {"compared": len(pairs), "differing": sum(a != b for a, b in pairs)}
+
+
 def run_bench_serve(args) -> dict:
     from .bench import BENCH_SETS
     from .prompts import read_prompts
@@ -232,6 +245,7 @@ def run_bench_serve(args) -> dict:
                 proc.terminate()
                 proc.wait(timeout=120)
     details = classify_mismatches(args, prompts, results) if {"dflash", "ar"} <= set(results) else []
+    solo = {mode: differences_from_solo(rows, len(prompts)) for mode, rows in results.items()}
     mismatches, near_ties = len(details), sum(d["near_tie"] for d in details)
     lines = [f"{'mode':<7} {'conc':>4} {'tok/s':>8} {'user tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
              f"{'tpot p50':>9} {'tpot p99':>9} {'τ':>5}"]
@@ -245,6 +259,10 @@ def run_bench_serve(args) -> dict:
         ratios = {r["concurrency"]: r["throughput_tok_s"] / a["throughput_tok_s"]
                   for r, a in zip(results["dflash"], results["ar"])}
         lines.append("DFlash / AR throughput: " + ", ".join(f"c={c}: {x:.2f}x" for c, x in ratios.items()))
+    for mode, found in solo.items():
+        if found["compared"]:
+            lines.append(f"{mode}: {found['differing']} of {found['compared']} greedy answers under concurrency "
+                         f"differ from the same prompt's answer alone")
     if mismatches:
         lines.append(f"WARNING: {mismatches} greedy answers differ between DFlash and AR: {near_ties} part at a "
                      f"near-tie within the dtype's rounding, {mismatches - near_ties} unexplained")
@@ -255,11 +273,12 @@ def run_bench_serve(args) -> dict:
               # the servers this command started ran here; a --base-url server's machine is unknown
               "hardware": None if args.base_url else hardware(args.device),
               "throughput_ratio": ratios, "greedy_mismatches": mismatches, "near_ties": near_ties,
-              "mismatch_details": details}
+              "mismatch_details": details, "differences_from_solo": solo}
     atomic_write_text(out / "results.json", json.dumps(report, indent=2, default=str) + "\n")
     plot(results, out / "pareto.png")
     summary = {"bench_serve": str(out), "throughput_ratio": {str(k): round(v, 3) for k, v in ratios.items()},
                **{f"{m}_tok_s": {str(r["concurrency"]): round(r["throughput_tok_s"], 1) for r in rows}
-                  for m, rows in results.items()}, "greedy_mismatches": mismatches, "near_ties": near_ties}
+                  for m, rows in results.items()}, "greedy_mismatches": mismatches, "near_ties": near_ties,
+               "differences_from_solo": solo}
     print(json.dumps(summary))
     return report
