@@ -24,6 +24,20 @@ from tiny import tiny_target
 MASK = 38
 
 
+@pytest.mark.parametrize("packs", [True, False])
+def test_auto_precision_is_bf16_only_where_bf16_products_pay(packs, monkeypatch):
+    # a CPU whose oneDNN packs bf16 weights (AVX-512) trains in bf16; an AVX2-only one in fp32, where PyTorch's
+    # bf16 products are a slow generic loop. Asked precisions pass through; a GPU is always bf16-capable
+    from dflash import kernels
+    from dflash.train import precision
+
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: packs)
+    monkeypatch.setattr(kernels, "_ONEDNN", True)
+    assert precision("auto", "cpu") == ("bfloat16" if packs else "float32")
+    assert precision("auto", "cuda:0") == "bfloat16"
+    assert precision("float32", "cuda:0") == "float32" and precision(None, "cpu") is None
+
+
 def test_loss_weights_decay_from_one():
     w = loss_weights(16, 7.0)
     assert w.shape == (15,) and w[0] == 1.0
