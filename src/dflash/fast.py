@@ -310,7 +310,9 @@ class FastForward:
 
         def mm(x, w, b, parts):
             return _dense_linear(x, parts, self.upcast) if dense else _linear(x, w, b)
-        if self.layer_weights is not None and few and not dense and write_slots is None:
+        # eager steps only: a compiled step traces the Python layers
+        if self.layer_weights is not None and few and not dense and write_slots is None and \
+                not torch.compiler.is_compiling():
             for layer in cache.layers:
                 if not layer.is_initialized:
                     kv = x.new_empty(b, nkv, 1, d)
