@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .dataset import PACKED
 from .errors import DFlashError
 from .io import atomic_write_text
 from .prompts import BadLine, Prompt, encode_prompt, left_pad, pad_id_for, read_prompts, user_turn_prefix
@@ -91,7 +92,7 @@ def packed_chunks(folder: str | os.PathLike, cfg: RegenerateConfig) -> set[int]:
     if diff:
         raise DFlashError(f"--packed {folder} holds answers made with other settings {diff} (theirs, this run's); "
                           "its chunks cannot stand for this run's")
-    return {int(m.group(1)) for p in folder.glob("packed-*.safetensors") if (m := PACKED_SHARD.match(p.name))}
+    return {int(m.group(1)) for p in folder.glob(PACKED) if (m := PACKED_SHARD.match(p.name))}
 
 
 def _check_manifest(output: Path, cfg: RegenerateConfig) -> None:

@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -42,12 +41,15 @@ constexpr int64_t kLanes = 16;
 constexpr int64_t kRowsAtOnce = 4;
 
 inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// bf16 as its bits, in loops the compiler vectorises: widening is exact; rounding is to nearest even with NaN
+// kept quiet, as c10::BFloat16 (PyTorch's bf16 ops) rounds
+inline float widen(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+inline uint16_t round_bf16(float f) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : static_cast<uint16_t>(r);
 }
+inline float to_float(at::BFloat16 x) { return widen(x.x); }
 
 // exp(x) for x <= 0: exp(x) = 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p a degree-6 Taylor polynomial (relative
 // error below 2e-7); exactly 0 below -87 (and for -inf). Branch-free float arithmetic, inlined into loops the
@@ -185,6 +187,26 @@ void head_group(const float* q, const KV* k, const KV* v, const bool* visible, f
     one_group<KV, 0>(q, k, v, visible, out, groups, nq, T, d, k_stride, v_stride, scale);
 }
 
+struct Strides {
+  int64_t row, head, slot;  // of a key or value cache [b, kv_heads, T, d], in elements
+};
+
+// A step's attention, one task per (batch row, key/value head), split among threads: q and out [b, heads, nq, d]
+// fp32 contiguous, visible [b, nq, T]
+template <typename KV>
+void attend(const float* q, const KV* k, const KV* v, Strides ks, Strides vs, const bool* visible, float* out,
+            int64_t b, int64_t heads, int64_t kv_heads, int64_t nq, int64_t T, int64_t d, float scale) {
+  const int64_t groups = heads / kv_heads;
+  at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bi = task / kv_heads, h = task % kv_heads;
+      const int64_t off = (bi * heads + h * groups) * nq * d;
+      head_group(q + off, k + bi * ks.row + h * ks.head, v + bi * vs.row + h * vs.head, visible + bi * nq * T,
+                 out + off, groups, nq, T, d, ks.slot, vs.slot, scale);
+    }
+  });
+}
+
 at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& visible,
                            double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && visible.dim() == 3, "cache_attention: bad ranks");
@@ -202,38 +224,19 @@ at::Tensor cache_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   // a bf16 q widens exactly and the output rounds back to it here, as the caller would (two ops fewer per layer)
   const at::Tensor qc = q.to(at::kFloat).contiguous(), vis = visible.contiguous();
   at::Tensor out = at::empty({b, heads, nq, d}, qc.options());
-  const int64_t groups = heads / kv_heads;
   const float* qp = qc.data_ptr<float>();
   const bool* mp = vis.data_ptr<bool>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bi = task / kv_heads, h = task % kv_heads;
-      const float* qg = qp + (bi * heads + h * groups) * nq * d;
-      float* og = op + (bi * heads + h * groups) * nq * d;
-      const bool* mg = mp + bi * nq * T;
-      if (k.scalar_type() == at::kFloat) {
-        head_group(qg, k.data_ptr<float>() + bi * k.stride(0) + h * k.stride(1),
-                   v.data_ptr<float>() + bi * v.stride(0) + h * v.stride(1), mg, og, groups, nq, T, d, k.stride(2),
-                   v.stride(2), static_cast<float>(scale));
-      } else {
-        head_group(qg, k.data_ptr<at::BFloat16>() + bi * k.stride(0) + h * k.stride(1),
-                   v.data_ptr<at::BFloat16>() + bi * v.stride(0) + h * v.stride(1), mg, og, groups, nq, T, d,
-                   k.stride(2), v.stride(2), static_cast<float>(scale));
-      }
-    }
-  });
+  const Strides ks{k.stride(0), k.stride(1), k.stride(2)}, vs{v.stride(0), v.stride(1), v.stride(2)};
+  if (k.scalar_type() == at::kFloat)
+    attend(qp, k.data_ptr<float>(), v.data_ptr<float>(), ks, vs, mp, op, b, heads, kv_heads, nq, T, d,
+           static_cast<float>(scale));
+  else
+    attend(qp, k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), ks, vs, mp, op, b, heads, kv_heads, nq, T, d,
+           static_cast<float>(scale));
   return out.to(q.scalar_type());
 }
 
-// bf16 as its bits, in loops the compiler vectorises: widening is exact; rounding is to nearest even with NaN
-// kept quiet, as c10::BFloat16 (PyTorch's bf16 ops) rounds
-inline float widen(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
-inline uint16_t round_bf16(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : static_cast<uint16_t>(r);
-}
 inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 inline uint16_t* bits(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
@@ -420,16 +423,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
         std::copy(in, in + d, vc + bi * kvs + (g * cap + pointer + t) * d);
       }
     }
-    const at::BFloat16* kb = keys[li].data_ptr<at::BFloat16>();
-    const at::BFloat16* vb = values[li].data_ptr<at::BFloat16>();
-    at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t bi = task / kv_heads, g = task % kv_heads;
-        const int64_t off = (bi * heads + g * groups) * nq * d;
-        head_group(qfp + off, kb + bi * kvs + g * cap * d, vb + bi * kvs + g * cap * d, mp + bi * nq * T, ofp + off,
-                   groups, nq, T, d, d, d, scale);
-      }
-    });
+    const Strides cache{kvs, cap * d, d};
+    attend(qfp, reinterpret_cast<const at::BFloat16*>(kc), reinterpret_cast<const at::BFloat16*>(vc), cache, cache, mp,
+           ofp, b, heads, kv_heads, nq, T, d, scale);
     for (int64_t m = 0; m < M; ++m) {  // to [b, q, heads * d], rounded to bf16 as the Python path's .to() rounds
       const int64_t bi = m / nq, t = m % nq;
       for (int64_t hh = 0; hh < heads; ++hh) {
@@ -441,11 +437,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     }
     add_rows(xp, bits(product(op, o, w(kO), w(kOS), w(kOB))), M * H);
     for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*w(kLn2)), hp + m * H, H, eps);
-    at::Tensor gu = product(op, h, w(kGu), w(kGuS), w(kGuB));  // [M, 2I]: gate, then up
-    const int64_t I = gu.size(1) / 2;
-    at::Tensor act = at::empty({M, I}, opts);
-    const uint16_t* gup = bits(gu);
-    for (int64_t m = 0; m < M; ++m) silu_mul_row(gup + m * 2 * I, gup + m * 2 * I + I, bits(act) + m * I, I);
+    const at::Tensor act = silu_mul(product(op, h, w(kGu), w(kGuS), w(kGuB)));  // of [M, 2I]: gate, then up
     add_rows(xp, bits(product(op, act, w(kDown), w(kDownS), w(kDownB))), M * H);
     if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(x.view({b, nq, H}).clone());
   }
