@@ -20,15 +20,12 @@ from pathlib import Path
 import torch
 
 from .errors import DFlashError
-
-PACKED = "packed-*.safetensors"
+from .regenerate import PACKED, SELF_PROMPT, SHARD
 
 
 def read_dataset(paths: list[str | os.PathLike], tokenizer=None, data_dir=None) -> list[dict]:
     """Records of regenerated dataset folders (or single shard files) and packed folders, in shard order.
     Packed folders need the target's tokenizer (and the folder of the named prompt sets)."""
-    from .regenerate import SELF_PROMPT
-
     records = []
     for path in map(Path, paths):
         if path.is_dir() and any(path.glob(PACKED)):
@@ -72,7 +69,6 @@ def pack(folder: str | os.PathLike, output: str | os.PathLike) -> dict:
     from safetensors.torch import save_file
 
     from .io import atomic_path, atomic_write_text
-    from .regenerate import SHARD
 
     folder, output = Path(folder), Path(output)
     manifest = folder / "manifest.json"

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .dataset import PACKED
 from .errors import DFlashError
 from .io import atomic_write_text
 from .prompts import BadLine, Prompt, encode_prompt, left_pad, pad_id_for, read_prompts, user_turn_prefix
 
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
+PACKED = "packed-*.safetensors"  # the chunks `dflash pack` keeps (dflash.dataset)
 PACKED_SHARD = re.compile(r"^packed-(\d+)-(\d+)\.safetensors$")
 SELF = re.compile(r"^self:(\d+)$")  # a source of N prompts that the target writes itself
 SELF_PROMPT = "self-prompt"  # the kind of such a record: a prompt to answer, not training data
