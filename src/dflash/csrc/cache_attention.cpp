@@ -6,7 +6,7 @@
 // value row is read once for all the query heads that share it and all the step's queries, from a cache kept
 // in the model's dtype (bf16 or fp32), and every query is computed the same way whatever the other queries, the
 // other rows of the batch, and the slots before it:
-//   - a score is a dot product over the head dimension in a fixed order (16-lane partial sums, then a fixed tree);
+//   - a score is a dot product over the head dimension in a fixed order (8-lane partial sums, then a fixed tree);
 //   - the softmax's maximum is exact, its exponentials are computed lane by lane by the same instructions, and
 //     its sum and the weighted sum of values run over the visible keys one after the other, in slot order;
 //   - keys a query does not see weigh exactly 0 and are skipped.
@@ -26,9 +26,12 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -38,7 +41,6 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kRowsAtOnce = 4;
 
 inline float to_float(float x) { return x; }
 // bf16 as its bits, in loops the compiler vectorises: widening is exact; rounding is to nearest even with NaN
@@ -76,56 +78,62 @@ __attribute__((noinline)) void exp16(const float* __restrict x, float* __restric
   for (int l = 0; l < kLanes; ++l) y[l] = exp_nonpositive(x[l]);
 }
 
-// One key/value head of one batch row: its `groups` query heads x `nq` queries. D: the head size when it is a
-// compile-time constant (64, 128: loops unrolled, a query's output block kept in registers), else 0 and `d`.
-template <typename KV, int D>
-void one_group(const float* q, const KV* k, const KV* v, const bool* visible, float* out, int64_t groups,
-               int64_t nq, int64_t T, int64_t d_runtime, int64_t k_stride, int64_t v_stride, float scale) {
-  const int64_t d = D ? D : d_runtime;
-  // rows r = g * nq + i: query i of the g-th query head of this key/value head
-  const int64_t R = groups * nq, Tpad = (T + kLanes - 1) / kLanes * kLanes;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> scores(R * Tpad, neg_inf), block(kLanes * d);
-  // scores, 16 keys at a time: the block of keys transposed to [d][16], then each lane's dot product runs over
-  // the head dimension in order, one multiply-add per element, the same for every key in every lane
-  for (int64_t j0 = 0; j0 < T; j0 += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, T - j0);
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const KV* kj = k + (j0 + (l < n ? l : 0)) * k_stride;
-      for (int64_t c = 0; c < d; ++c) block[c * kLanes + l] = l < n ? to_float(kj[c]) : 0.0f;
-    }
-    // rows four at a time: four independent chains of multiply-adds share each loaded key element
-    for (int64_t r0 = 0; r0 < R; r0 += kRowsAtOnce) {
-      const int64_t rows = std::min<int64_t>(kRowsAtOnce, R - r0);
-      bool any = false;
-      for (int64_t r = r0; r < r0 + rows; ++r)
-        for (int64_t l = 0; l < n; ++l) any |= visible[(r % nq) * T + j0 + l];
-      if (!any) continue;
-      float acc[kRowsAtOnce][kLanes] = {};
-      const float* qr[kRowsAtOnce];
-      for (int64_t m = 0; m < kRowsAtOnce; ++m) qr[m] = q + (r0 + (m < rows ? m : 0)) * d;
-      for (int64_t c = 0; c < d; ++c) {
-        const float* kc = block.data() + c * kLanes;
-        for (int m = 0; m < kRowsAtOnce; ++m) {
-          const float qc = qr[m][c];
+// A cached row in fp32: an fp32 cache is read in place, a bf16 row is widened into `buf` (exactly)
+inline const float* row_fp32(const float* row, float*, int64_t) { return row; }
+inline const float* row_fp32(const at::BFloat16* row, float* buf, int64_t d) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
 #pragma omp simd
-          for (int l = 0; l < kLanes; ++l) acc[m][l] += qc * kc[l];
-        }
-      }
-      for (int64_t m = 0; m < rows; ++m) {
-        const bool* seen = visible + ((r0 + m) % nq) * T + j0;
-        float* s = scores.data() + (r0 + m) * Tpad + j0;
-        for (int64_t l = 0; l < n; ++l) s[l] = seen[l] ? acc[m][l] * scale : neg_inf;
-      }
+  for (int64_t c = 0; c < d; ++c) buf[c] = widen(h[c]);
+  return buf;
+}
+
+// The dot products of one query with 8 keys. Each is 8 partial sums (lane c % 8 over c in order, one multiply-add
+// per element) added by the same tree, ((0+1)+(2+3))+((4+5)+(6+7)), whichever of the 8 places the key takes.
+inline __m256 dot8(const float* q, const float* const* key, int64_t d) {
+  __m256 acc[8];
+  for (int l = 0; l < 8; ++l) acc[l] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    for (int l = 0; l < 8; ++l) acc[l] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(key[l] + c), acc[l]);
+  }
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]: after two rounds the low 128 bits hold
+  // keys 0-3's (0+1)+(2+3), the high 128 bits their (4+5)+(6+7); likewise keys 4-7
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+
+// Rows [r0, r1) of one key/value head of one batch row: row r = g * nq + i is query i of the g-th query head that
+// shares this key/value head. q, out: that head's rows [groups * nq, d]. D: the head size when it is a
+// compile-time constant (64, 128: a query's output block kept in registers), else 0 and `d`.
+template <typename KV, int D>
+void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, float* out, int64_t r0, int64_t r1,
+               int64_t nq, int64_t T, int64_t d_runtime, int64_t k_stride, int64_t v_stride, float scale) {
+  const int64_t d = D ? D : d_runtime, R = r1 - r0, Tpad = (T + kLanes - 1) / kLanes * kLanes;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> scores(R * Tpad, neg_inf), kbuf(8 * d), zeros(d, 0.0f), block(kLanes * d);
+  // scores, 8 keys at a time (each widened once for all the rows); a row skips the keys it sees none of
+  for (int64_t j0 = 0; j0 < T; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, T - j0);
+    const float* key[8];
+    for (int64_t l = 0; l < 8; ++l)
+      key[l] = l < n ? row_fp32(k + (j0 + l) * k_stride, kbuf.data() + l * d, d) : zeros.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      uint64_t seen = 0;  // the row's 8 flags (bool is one byte, 0 or 1); past the last key none
+      std::memcpy(&seen, visible + (r % nq) * T + j0, n);
+      if (seen == 0) continue;
+      const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(seen)));
+      const __m256 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256()));
+      const __m256 dots = _mm256_mul_ps(dot8(q + r * d, key, d), _mm256_set1_ps(scale));
+      _mm256_storeu_ps(scores.data() + (r - r0) * Tpad + j0, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), dots, shown));
     }
   }
-  // softmax weights; each row's sum runs over its keys in slot order (rows side by side, lanes = rows)
-  std::vector<float> weights(R * Tpad), maxima(R, neg_inf), total(R, 0.0f);
+  // softmax weights; each row's sum runs over its keys in slot order (rows side by side)
+  std::vector<float> weights(R * Tpad), total(R, 0.0f);
   for (int64_t r = 0; r < R; ++r) {
     const float* s = scores.data() + r * Tpad;
     float m = neg_inf;
     for (int64_t j = 0; j < T; ++j) m = s[j] > m ? s[j] : m;
-    maxima[r] = m;
     float* w = weights.data() + r * Tpad;
     for (int64_t j = 0; j < Tpad; j += kLanes) {
       float shifted[kLanes];
@@ -140,10 +148,8 @@ void one_group(const float* q, const KV* k, const KV* v, const bool* visible, fl
   std::vector<float> acc(R * d, 0.0f);
   for (int64_t j0 = 0; j0 < T; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, T - j0);
-    for (int64_t l = 0; l < n; ++l) {
-      const KV* vj = v + (j0 + l) * v_stride;
-      for (int64_t c = 0; c < d; ++c) block[l * d + c] = to_float(vj[c]);
-    }
+    const float* value[kLanes];
+    for (int64_t l = 0; l < n; ++l) value[l] = row_fp32(v + (j0 + l) * v_stride, block.data() + l * d, d);
     for (int64_t r = 0; r < R; ++r) {
       const float* p = weights.data() + r * Tpad + j0;
       bool any = false;
@@ -155,7 +161,7 @@ void one_group(const float* q, const KV* k, const KV* v, const bool* visible, fl
         for (int c = 0; c < D; ++c) o[c] = a[c];
         for (int64_t l = 0; l < n; ++l) {
           if (p[l] == 0.0f) continue;
-          const float* vl = block.data() + l * D;
+          const float* vl = value[l];
 #pragma omp simd
           for (int c = 0; c < D; ++c) o[c] += p[l] * vl[c];
         }
@@ -163,7 +169,7 @@ void one_group(const float* q, const KV* k, const KV* v, const bool* visible, fl
       } else {
         for (int64_t l = 0; l < n; ++l) {
           if (p[l] == 0.0f) continue;
-          const float* vl = block.data() + l * d;
+          const float* vl = value[l];
 #pragma omp simd
           for (int64_t c = 0; c < d; ++c) a[c] += p[l] * vl[c];
         }
@@ -172,37 +178,40 @@ void one_group(const float* q, const KV* k, const KV* v, const bool* visible, fl
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
-    for (int64_t c = 0; c < d; ++c) out[r * d + c] = acc[r * d + c] * inv;
+    for (int64_t c = 0; c < d; ++c) out[(r0 + r) * d + c] = acc[r * d + c] * inv;
   }
 }
 
 template <typename KV>
-void head_group(const float* q, const KV* k, const KV* v, const bool* visible, float* out, int64_t groups,
-                int64_t nq, int64_t T, int64_t d, int64_t k_stride, int64_t v_stride, float scale) {
+void head_rows_any(const float* q, const KV* k, const KV* v, const bool* visible, float* out, int64_t r0, int64_t r1,
+                   int64_t nq, int64_t T, int64_t d, int64_t k_stride, int64_t v_stride, float scale) {
   if (d == 64)
-    one_group<KV, 64>(q, k, v, visible, out, groups, nq, T, d, k_stride, v_stride, scale);
+    head_rows<KV, 64>(q, k, v, visible, out, r0, r1, nq, T, d, k_stride, v_stride, scale);
   else if (d == 128)
-    one_group<KV, 128>(q, k, v, visible, out, groups, nq, T, d, k_stride, v_stride, scale);
+    head_rows<KV, 128>(q, k, v, visible, out, r0, r1, nq, T, d, k_stride, v_stride, scale);
   else
-    one_group<KV, 0>(q, k, v, visible, out, groups, nq, T, d, k_stride, v_stride, scale);
+    head_rows<KV, 0>(q, k, v, visible, out, r0, r1, nq, T, d, k_stride, v_stride, scale);
 }
 
 struct Strides {
   int64_t row, head, slot;  // of a key or value cache [b, kv_heads, T, d], in elements
 };
 
-// A step's attention, one task per (batch row, key/value head), split among threads: q and out [b, heads, nq, d]
-// fp32 contiguous, visible [b, nq, T]
+// A step's attention: q and out [b, heads, nq, d] fp32 contiguous, visible [b, nq, T]. One task per batch row,
+// key/value head and part of its rows: with fewer (row, head) pairs than twice the threads (one sequence of a
+// small model: 3 key/value heads on 2 threads), each pair's rows are split so that the threads share the work
+// evenly; a split only repeats the widening of the keys and values. A row's result is the same in any part.
 template <typename KV>
 void attend(const float* q, const KV* k, const KV* v, Strides ks, Strides vs, const bool* visible, float* out,
             int64_t b, int64_t heads, int64_t kv_heads, int64_t nq, int64_t T, int64_t d, float scale) {
-  const int64_t groups = heads / kv_heads;
-  at::parallel_for(0, b * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t groups = heads / kv_heads, R = groups * nq, pairs = b * kv_heads;
+  const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + pairs - 1) / pairs, 1, R);
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bi = task / kv_heads, h = task % kv_heads;
+      const int64_t pair = task / parts, part = task % parts, bi = pair / kv_heads, h = pair % kv_heads;
       const int64_t off = (bi * heads + h * groups) * nq * d;
-      head_group(q + off, k + bi * ks.row + h * ks.head, v + bi * vs.row + h * vs.head, visible + bi * nq * T,
-                 out + off, groups, nq, T, d, ks.slot, vs.slot, scale);
+      head_rows_any(q + off, k + bi * ks.row + h * ks.head, v + bi * vs.row + h * vs.head, visible + bi * nq * T,
+                    out + off, part * R / parts, (part + 1) * R / parts, nq, T, d, ks.slot, vs.slot, scale);
     }
   });
 }
@@ -276,7 +285,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // per layer (views, copies, RoPE's five, residual adds) from Python than in its products. This runs the layers
 // of a Llama-family model (Llama, Qwen2, Qwen3, Mistral) with bf16 activations here, op for op as the fast
 // runtime's Python forward does them: RMSNorm (norm_row), the fused q/k/v product, per-head q/k norms (Qwen3),
-// RoPE, the keys and values written at slots pointer.. of the cache, attention (one_group), the output
+// RoPE, the keys and values written at slots pointer.. of the cache, attention (head_rows), the output
 // product, the residual, the fused gate/up product, SiLU(gate) * up, the down product, the residual. Every
 // elementwise step rounds to bf16 where PyTorch's bf16 op would, and the products go to the library's linear
 // op (dflash's int4 kernel) through the dispatcher. Each row and query is computed alone, as everywhere here.
