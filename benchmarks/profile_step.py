@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--prompt", default=PROMPT, help="user message")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
-    ap.add_argument("--data", default=None, help="regenerated dataset, for --draft-vocab-size")
+    ap.add_argument("--data", default=None, help="regenerated or packed dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
     ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
     ap.add_argument("--dtype", default=None, help="target dtype; None = dflash's default for this machine")
@@ -41,7 +41,7 @@ def main():
         from dflash.dataset import read_dataset
         from dflash.train import frequent_tokens
 
-        draft.set_draft_vocab(frequent_tokens(read_dataset([args.data]), args.draft_vocab_size))
+        draft.set_draft_vocab(frequent_tokens(read_dataset([args.data], tok), args.draft_vocab_size))
     ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                 add_generation_prompt=True, tokenize=True)["input_ids"]])
     spent = {"propose": 0.0, "context write": 0.0, "target forward": 0.0}

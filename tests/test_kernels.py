@@ -29,6 +29,26 @@ def test_where_the_cpu_cannot_pack_few_rows_take_f_linear_and_more_multiply_in_f
             w.mul_(2)
 
 
+@needs_int4_kernel
+def test_where_the_cpu_cannot_pack_a_weight_that_fits_q8_0_multiplies_on_dflashs_q8_kernel(monkeypatch):
+    # the drafts' products on an AVX2-only CPU: Q8_0 on dflash's kernel for any number of rows (re-quantised when
+    # the weight changes); where that kernel does not run, the fp32 product of the test above
+    monkeypatch.setattr(kernels, "_cpu_packs", lambda dtype: False)
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(16, 64, generator=g).bfloat16(), torch.randn(16, generator=g).bfloat16()
+    with torch.no_grad():
+        for x in (torch.randn(1, 64, generator=g).bfloat16(), torch.randn(2, 5, 64, generator=g).bfloat16()):
+            for _ in range(2):  # the second time after an in-place update
+                got = linear(x, w, b)
+                assert torch.equal(got, kernels.Q8Weight(w).linear(x, b)) and w in kernels._eight_bit
+                exact = F.linear(x.float(), w.float(), b.float())
+                assert torch.allclose(got.float(), exact, atol=0.05 * exact.abs().max().item())
+                w.mul_(2)
+        monkeypatch.setattr(kernels, "int4_kernel", lambda: False)
+        many = torch.randn(kernels.WIDEN_ROWS, 64, generator=g).bfloat16()
+        assert torch.equal(linear(many, w, b), F.linear(many.float(), w.float(), b.float()).bfloat16())
+
+
 @needs_bf16_packing
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (2, 5, 48), (64, 48)])
 @pytest.mark.parametrize("bias", [False, True])

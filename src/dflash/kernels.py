@@ -8,17 +8,19 @@ summation order differs, so fp32 keeps `F.linear`: the fp32 paths stay bit-compa
 
 Where oneDNN cannot pack (an AVX2-only CPU has no bf16/fp16 kernels), PyTorch's fallback half-precision
 product costs about linearly in the rows: 8 rows cost 7 times one (`benchmarks/linear_rows.py`), where fp32
-costs 2 to 3 times. From WIDEN_ROWS rows on, `linear` then multiplies in fp32 by a widened copy of the weight
-and rounds the result back. That is not bitwise the half-precision product, which is fine for what uses this
-module: the drafts, whose proposals the target verifies (the target's fast runtime has its own rule, see
-`dflash.fast`).
+costs 2 to 3 times. There `linear` multiplies by the weight quantised to Q8_0 on dflash's kernel (groups of 32
+with one scale: a quarter of fp32's bytes, and 8 rows cost little more than one; a draft's propose step on an
+AVX2 CPU spent most of its time in fp32 products), or, where that kernel does not run or the shape does not
+fit it, from WIDEN_ROWS rows on in fp32 by a widened copy of the weight, rounding the result back. Neither is
+bitwise the half-precision product, which is fine for what uses this module: the drafts, whose proposals the
+target verifies (the target's fast runtime has its own rule, see `dflash.fast`).
 
 It also holds the weight-only int8 / int4 weights that the fast runtime's quantised targets multiply by, and that
 the drafts score their proposals with where the CPU has no half kernels: PyTorch's CPU kernels, and for int4 on
 x86 CPUs with AVX-512 VNNI or AVX2 our own (`csrc/int4.cpp`, built on first use), whose cost grows slowly with the rows
 (see `Int4Weight`).
 
-Packed and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
+Packed, quantised and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
 step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 """
 
@@ -44,6 +46,7 @@ from .machine import cpu_flags, cpu_has, dflash_home, max_cpu_isa
 _PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 _packed = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), packed weight)
 _widened = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), fp32 copy)
+_eight_bit = WeakIdKeyDictionary()  # weight -> ((version, data_ptr), Q8Weight)
 WIDEN_ROWS = 4
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -137,7 +140,8 @@ def packed_weight(w: torch.Tensor) -> PackedWeight:
 
 
 def widens(w: torch.Tensor) -> bool:
-    """Whether products with the half-precision CPU weight w run in fp32 from WIDEN_ROWS rows on."""
+    """Whether the half-precision CPU weight w has no packed kernel here: `linear` then multiplies by it in Q8_0
+    or, from WIDEN_ROWS rows on, in fp32."""
     return w.device.type == "cpu" and w.dtype in _PACKABLE_DTYPES and not packable(w)
 
 
@@ -155,6 +159,8 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, w, b)
     if packable(w):
         return packed_weight(w).linear(x, b)
+    if widens(w) and Q8Weight.fits(w):
+        return _derived(_eight_bit, w, Q8Weight).linear(x, b)
     if widens(w) and x.numel() >= WIDEN_ROWS * x.shape[-1]:
         wide = _derived(_widened, w, lambda t: t.detach().float())
         return F.linear(x.float(), wide, None if b is None else b.float()).to(x.dtype)
