@@ -5,7 +5,8 @@ is a property of the matmul kernels on the hardware, not of the draft. This time
 shapes (q/k/v, gate/up, down, LM head) with each kernel the runtimes use: fp32 `F.linear`, bf16 (prepacked
 for oneDNN where the CPU allows it, else `F.linear`), and the int8 / int4 weight-only kernels (int8: PyTorch's per row and dflash's Q8_0; int4: PyTorch's
 and each build of dflash's this CPU runs: AVX-512 VNNI, AVX2). Then the same for all the decoder layers' products with each layer's own
-weights, which is what a step streams from memory (the per-shape figures reuse one weight from cache). Prints a
+weights, which is what a step streams from memory (the per-shape figures reuse one weight from cache), and one
+layer's attention on dflash's kernel with the rows as a step's queries over --context cached slots. Prints a
 table of microseconds and the cost of M rows over one row, and ends with one JSON line.
 
     python benchmarks/linear_rows.py [--model smollm2-135m-instruct] [--threads 2]
@@ -73,6 +74,7 @@ def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="target whose layer shapes are timed")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--context", type=int, default=300, help="cached slots that a step's queries attend to")
     args = ap.parse_args()
     c = load_target(args.model, device="cpu", threads=args.threads)[0].config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -99,6 +101,19 @@ def main():
         for kname in stack[0][1]:
             results.setdefault(f"{c.num_hidden_layers} layers", {})[kname] = _timed(
                 lambda m: [fns[kname](xs[m][n_in]) for n_in, fns in stack])
+        # a layer's attention over --context cached slots on dflash's kernel, the m rows being the step's queries
+        if kernels.cache_attention_kernel():
+            qs = {m: torch.randn(1, c.num_attention_heads, m, head_dim, generator=g).bfloat16() for m in ROWS}
+            kv = [torch.randn(1, c.num_key_value_heads, args.context + max(ROWS), head_dim, generator=g).bfloat16()
+                  for _ in range(2)]
+
+            def attention(m):
+                T = args.context + m
+                visible = torch.ones(1, m, T, dtype=torch.bool)
+                visible[0, :, args.context:] = torch.ones(m, m, dtype=torch.bool).tril()
+                return torch.ops.dflash_attn.cache_attention(qs[m], kv[0][:, :, :T], kv[1][:, :, :T], visible,
+                                                             head_dim ** -0.5)
+            results["attention"] = {f"dflash {args.context} slots": _timed(attention)}
     print(f"{'shape':10s} {'kernel':16s} " + " ".join(f"{f'{m} row us':>10s}" for m in ROWS) + "   "
           + " ".join(f"{f'x{m}':>5s}" for m in ROWS[1:]))
     for name, per in results.items():
@@ -106,7 +121,7 @@ def main():
             print(f"{name:10s} {kname:16s} " + " ".join(f"{u:10.1f}" for u in r["us"]) + "   "
                   + " ".join(f"{x:5.2f}" for x in r["ratio_to_1_row"][1:]))
     print(json.dumps({"model": args.model, "hardware": hardware("cpu"), "threads": torch.get_num_threads(),
-                      "rows": ROWS, "shapes": {k: list(v) for k, v in shapes.items()}, "results": results}))
+                      "rows": ROWS, "context": args.context, "shapes": {k: list(v) for k, v in shapes.items()}, "results": results}))
 
 
 if __name__ == "__main__":
