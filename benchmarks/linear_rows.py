@@ -50,7 +50,10 @@ def _products(w: torch.Tensor, fp32: bool = True) -> dict:
     """kernel name -> x -> x @ w.T, for each kernel the runtimes use (w [out, in] fp32)."""
     wb = w.bfloat16()
     out = {"fp32": lambda x: F.linear(x.float(), w)} if fp32 else {}
-    out["bf16" + (" packed" if kernels.packable(wb) else "")] = lambda x: kernels.linear(x, wb)
+    # as the fast runtime multiplies a bf16 weight: packed for oneDNN where the CPU allows it, else F.linear (a
+    # draft's kernels.linear would take Q8_0 there)
+    packed = kernels.packed_weight(wb) if kernels.packable(wb) else None
+    out["bf16" + (" packed" if packed else "")] = lambda x: packed.linear(x, None) if packed else F.linear(x, wb)
     out["int8"] = lambda x, q=Int8Weight(wb): q.linear(x, None)
     if kernels.Q8Weight.fits(wb):  # Q8_0 on dflash's kernel (the int4 runtime's LM head)
         out["q8_0 dflash"] = lambda x, q=kernels.Q8Weight(wb): q.linear(x, None)
