@@ -189,8 +189,8 @@ class FastForward:
         self.upcast = half and not packable(model.get_output_embeddings().weight)
         int4_ours = quantize == "int4" and all(
             isinstance(w, Int4Weight) and w.ours for L in self.layers for w in (L.wqkv, L.wo, L.wgu, L.wdown))
-        self.dense_rows = None if (self.upcast and int4_ours) or (quantize is None and not self.upcast) \
-            else PROMPT_DENSE_ROWS
+        dense = (quantize is not None or self.upcast) and not (self.upcast and int4_ours)
+        self.dense_rows = PROMPT_DENSE_ROWS if dense else None
         # a bf16 model on dflash's int4 kernel runs the layers of its eager steps in one C++ call (see
         # decoder_layers in csrc/cache_attention.cpp): per layer some thirty small ops dispatched from Python
         # cost more than the layer's products. Same arithmetic, row by row, as _forward.
