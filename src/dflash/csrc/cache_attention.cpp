@@ -42,7 +42,6 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 
-inline float to_float(float x) { return x; }
 // bf16 as its bits, in loops the compiler vectorises: widening is exact; rounding is to nearest even with NaN
 // kept quiet, as c10::BFloat16 (PyTorch's bf16 ops) rounds
 inline float widen(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
@@ -51,7 +50,6 @@ inline uint16_t round_bf16(float f) {
   const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : static_cast<uint16_t>(r);
 }
-inline float to_float(at::BFloat16 x) { return widen(x.x); }
 
 // exp(x) for x <= 0: exp(x) = 2^n * p(r), r = x - n ln2, |r| <= ln2/2, p a degree-6 Taylor polynomial (relative
 // error below 2e-7); exactly 0 below -87 (and for -inf). Branch-free float arithmetic, inlined into loops the
