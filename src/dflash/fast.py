@@ -183,8 +183,8 @@ class FastForward:
         # plain and speculative decoding still share every product after the prompt, and the prompt pass
         # itself. (A quantised target's prompt is thereby read by the weights it was quantised from.)
         # The exception: without half kernels, dflash's own int4 kernel reads a prompt faster than fp32 products
-        # do (1,600 prompt tokens of the default model on an AVX2-only EPYC: 2.9 s against 4.1 s), so an int4
-        # target whose every product runs on it keeps it for prompt passes too.
+        # do (time to first token of `dflash bench --methods ar` on GSM8K and MBPP prompts, AVX2-only EPYC:
+        # 1.4-1.8x lower), so an int4 target whose every product runs on it keeps it for prompt passes too.
         half = on_cpu and dtype in (torch.bfloat16, torch.float16)
         self.upcast = half and not packable(model.get_output_embeddings().weight)
         int4_ours = quantize == "int4" and all(
