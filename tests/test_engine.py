@@ -27,7 +27,12 @@ def expected(target, prompt, max_tokens):
 
 @pytest.mark.parametrize("arch,verify", [("llama", 64), ("qwen3", 64), ("llama", 5)])
 @pytest.mark.parametrize("draft_kind", ["none", "random", "oracle"])
-def test_staggered_arrivals_match_target_greedy(arch, verify, draft_kind):
+def test_staggered_arrivals_match_target_greedy(arch, verify, draft_kind, monkeypatch):
+    from dflash.batch import SpecBatch
+
+    put = SpecBatch.put_row
+    taken = []  # joining sequences that took a finished one's row in place
+    monkeypatch.setattr(SpecBatch, "put_row", lambda self, row, other: taken.append(row) or put(self, row, other))
     target = tiny_target(arch, seed=3)
     ps = prompts([5, 17, 3, 26, 9, 12, 4], seed=1)
     max_tokens = [20, 7, 30, 12, 25, 1, 18]
@@ -56,6 +61,21 @@ def test_staggered_arrivals_match_target_greedy(arch, verify, draft_kind):
         taus = [sum(s.acceptance_lengths) / len(s.acceptance_lengths) for s in seqs if s.acceptance_lengths]
         assert max(taus) > 2  # the acceptance path really ran
     assert engine.runner.rows == [] and engine.runner.batch.num_rows == 0
+    assert taken  # rows were reused, not only appended
+
+
+def test_a_step_never_commits_past_max_tokens():
+    # a verified block can run past max_tokens, a stop token included: the answer ends at max_tokens ("length"),
+    # a stop inside the room ends it there ("stop", the stop token kept aside)
+    from dflash.engine import Sequence
+
+    s = Sequence([5], max_tokens=3, stop_token_ids=[EOS])
+    s.append([7, 8, 9, EOS])
+    assert s.output_ids == [7, 8, 9] and s.finish_reason == "length" and s.stop_token_id is None
+    s = Sequence([5], max_tokens=3, stop_token_ids=[EOS])
+    s.append([7])
+    s.append([8, EOS, 9])
+    assert s.output_ids == [7, 8] and s.finish_reason == "stop" and s.stop_token_id == EOS
 
 
 def test_abort_frees_the_row_and_others_continue():

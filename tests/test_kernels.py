@@ -326,6 +326,13 @@ def test_cache_attention_of_a_query_does_not_depend_on_anything_it_does_not_see(
     batch_vis = torch.cat([torch.rand(1, 4, hole + T + tail, generator=g) > 0.5, vis2])
     among = torch.ops.dflash_attn.cache_attention(batch_q, batch_k, batch_v, batch_vis, 0.125)
     assert torch.equal(among[1, :, 2], alone[0, :, 0])
+    # a row that sees none of its first 37 slots (it joined a batch whose other rows are longer): the kernel
+    # starts where the row's keys start, with the same bits as if those slots were not there
+    lead = 37
+    k3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), k], 2)
+    v3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), v], 2)
+    vis3 = torch.cat([torch.zeros(1, 1, lead, dtype=torch.bool), visible], 2)
+    assert torch.equal(torch.ops.dflash_attn.cache_attention(q, k3, v3, vis3, 0.125), alone)
 
 
 @needs_attention_kernel

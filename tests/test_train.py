@@ -243,12 +243,12 @@ def test_regenerated_dataset_is_the_targets_own_greedy_text(lang):
     target, tok, root = lang
     records = read_dataset([root / "data"])
     assert len(records) == 48
-    r = records[0]
-    n = r["num_prompt_tokens"]
-    assert r["loss_mask"] == [0] * n + [1] * (len(r["input_ids"]) - n)
-    ref = target.generate(torch.tensor([r["input_ids"][:n]]), max_new_tokens=40, do_sample=False)
-    assert r["input_ids"] == ref[0].tolist()[:len(r["input_ids"])]
-    assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
+    for r in records:  # each answer is the one the target gives its prompt alone (rows join as others finish)
+        n = r["num_prompt_tokens"]
+        assert r["loss_mask"] == [0] * n + [1] * (len(r["input_ids"]) - n)
+        ref = target.generate(torch.tensor([r["input_ids"][:n]]), max_new_tokens=40, do_sample=False)
+        assert r["input_ids"] == ref[0].tolist()[:len(r["input_ids"])]
+        assert r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
 
 
 def test_regenerate_with_a_draft_writes_the_same_greedy_data(lang, tmp_path):

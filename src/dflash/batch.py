@@ -167,7 +167,7 @@ class SpecBatch:
         trees = build_trees([int(row[0]) for row in host], top_ids, top_logp, spec.budget, spec.continuations,
                             self.device, min_nodes=self.B)
         N = trees.size
-        if self.pointer + max(N, self.B) > self.adapter.capacity:
+        if self.pointer + max(N, self.B) >= self.adapter.capacity:
             self.make_room(max(N, self.B))
         p = self.pointer
         logits, feats = self.adapter.forward(trees.tokens, block_pos[:, :1] + trees.depth, capture=True,
@@ -201,7 +201,7 @@ class SpecBatch:
             if self.eagle is not None:  # the token after each kept slot is the target's own choice there
                 self._chunk = (None, self._choice, n_keep - 1)
         self.adapter.rewind(q - advance)
-        if self.pointer + self.B > self.adapter.capacity:
+        if self.pointer + self.B >= self.adapter.capacity:
             self.make_room()
 
     def flush(self, next_token: torch.Tensor | None = None):
@@ -249,8 +249,26 @@ class SpecBatch:
         shifts = self.adapter.merge(other.adapter)
         if self.draft is not None:
             self.dcache.merge(other.dcache, shifts, self.adapter.capacity)
-        if self.pointer + self.B > self.adapter.capacity:
+        if self.pointer + self.B >= self.adapter.capacity:
             self.make_room()
+
+    def mask_rows(self, rows: torch.Tensor) -> None:
+        """Masks every slot of these rows (finished ones, whose place a joining sequence will take)."""
+        self.adapter.valid[rows] = False
+
+    def put_row(self, row: int, other: "SpecBatch") -> bool:
+        """Puts the one row of `other` (a freshly prefilled sequence) in place of row `row` (a finished one),
+        its slots ending at this batch's pointer: one row's copy instead of `merge`'s copy of every row. False
+        (nothing done) when its prompt is longer than the batch's slots so far."""
+        shift = self.pointer - other.pointer
+        if shift < 0 or self.eagle is not None:
+            return False
+        self.flush()
+        other.flush()
+        self.adapter.put_row(row, other.adapter, shift)
+        if self.draft is not None:
+            self.dcache.put_row(row, other.dcache, shift, other.pointer)
+        return True
 
     def _grow(self, capacity: int) -> None:
         self.adapter.grow(capacity)
@@ -266,10 +284,12 @@ class SpecBatch:
             self.dcache.gather_slots(index)
 
     def make_room(self, B: int | None = None) -> None:
-        """Frees room for the next block (B slots, default the block size): squeeze out holes when there are
-        enough, else grow (doubling), and squeeze anyway once the storage is at its full size (which always fits
-        every row after compaction)."""
-        adapter, B = self.adapter, B or self.B
+        """Frees room for the next block (B slots, default the block size) and one slot more: squeeze out holes
+        when there are enough, else grow (doubling), and squeeze anyway once the storage is at its full size (which
+        always fits every row after compaction). The spare slot keeps a step's slots short of the storage's end:
+        torch.compile specialises a compiled step on whether they reach it, so a step that did would build a graph
+        of its own mid-run, at whatever moment rows happened to fill the storage exactly."""
+        adapter, B = self.adapter, (B or self.B) + 1
         self.flush()  # pending features must be in the draft cache before slots move
         if adapter.pointer - int(adapter.valid.sum(1).max()) >= B:
             self._compact()

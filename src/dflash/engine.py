@@ -120,6 +120,7 @@ class Sequence:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None  # the stop token that ended it (not in output_ids)
     acceptance_lengths: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -136,13 +137,15 @@ class Sequence:
         """Commits tokens up to the first stop token or max_tokens; returns the new text."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+        room = self.max_tokens - len(self.output_ids)  # a stop token takes its place among them
+        tokens = tokens[:room]
         for i, t in enumerate(tokens):
             if t in self.stop_token_ids:
-                tokens, self.finish_reason = tokens[:i], "stop"
+                tokens, self.finish_reason, self.stop_token_id = tokens[:i], "stop", t
                 break
-        room = self.max_tokens - len(self.output_ids)
-        if len(tokens) >= room and self.finish_reason is None:
-            tokens, self.finish_reason = tokens[:room], "length"
+        else:
+            if len(tokens) == room:
+                self.finish_reason = "length"
         self.output_ids += tokens
         if self.text is None:
             return ""
@@ -238,7 +241,7 @@ def _choose_per_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each row's own sampling settings: logits [L, ..., V] -> choices [L, ...]."""
     choice = logits.argmax(-1)
     for r, s in enumerate(seqs):
-        if not s.sampling.greedy:
+        if s is not None and not s.sampling.greedy:
             choice[r] = choose_tokens(logits[r], s.sampling, s.generator)
     return choice
 
@@ -264,12 +267,15 @@ class ModelRunner:
         self.tree_topk = tree_topk
         self.budgets = TreeBudgetController(self.B) if self.tree_budget == "auto" else None
         most = (max(self.budgets.budgets) if self.budgets else self.tree_budget) if self.tree_budget else 0
-        self.max_capacity = max_model_len + self.B + (most + self.B if most else 0)  # a tree's nodes at the end
+        # a tree's nodes at the end, and the spare slot of SpecBatch.make_room
+        self.max_capacity = max_model_len + self.B + (most + self.B if most else 0) + 1
         self.lookup = NgramDraft(num_tokens=self.B - 1) if self.tree_budget is not None else None
         self.device = next(target.parameters()).device
         self.runtime = runtime
         self.max_verify_tokens = max_verify_tokens
-        self.rows: list[Sequence] = []  # running sequences, in batch-row order
+        # running sequences, in batch-row order; None: a finished sequence's row, kept for a joining one to take
+        # (one row's copy) rather than copying every other row twice, out of the batch and back into it
+        self.rows: list[Sequence | None] = []
         self.batch = SpecBatch(target, draft, self.B, self.max_capacity, runtime)
         with torch.inference_mode():  # see LLMEngine.step
             self.anchor = torch.zeros(0, dtype=torch.long, device=self.device)  # [L] last committed token
@@ -307,10 +313,17 @@ class ModelRunner:
                 continue
             self._prefill.pop(0)
             first = _choose_per_row(logits, [p.seq])
-            self.batch.merge(p.job)
-            self.rows.append(p.seq)
-            self.anchor = torch.cat([self.anchor, first])
-            self.anchor_pos = torch.cat([self.anchor_pos, pos[:, -1] + 1])
+            free = next((r for r, s in enumerate(self.rows) if s is None), None)
+            if free is not None and self.batch.put_row(free, p.job):
+                self.rows[free] = p.seq
+                self.anchor[free], self.anchor_pos[free] = first[0], pos[0, -1] + 1
+            else:  # no free row, or a prompt longer than the batch so far: it joins as a new row (in place of one)
+                if free is not None:
+                    self._keep_rows([r for r in range(len(self.rows)) if r != free])
+                self.batch.merge(p.job)
+                self.rows.append(p.seq)
+                self.anchor = torch.cat([self.anchor, first])
+                self.anchor_pos = torch.cat([self.anchor_pos, pos[:, -1] + 1])
             done.append((p.seq, int(first[0])))
         return done
 
@@ -318,19 +331,21 @@ class ModelRunner:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
         length (the cache keeps them all; a row that stops early is removed before the next step)."""
         t0 = time.perf_counter()
+        live = [s for s in self.rows if s is not None]
         j = torch.arange(self.B, device=self.device)
         width = max(1, min(self.B, self.max_verify_tokens // len(self.rows)))
-        adaptive = self.widths is not None and not any(s.seeded for s in self.rows) and not self.width_plan
+        adaptive = self.widths is not None and not any(s.seeded for s in live) and not self.width_plan
         if self.width_plan:
             width = min(width, self.width_plan.popleft())
         elif adaptive:
             width = self.widths.choose(len(self.rows), width)
         self.last_width = width
         spec, budget = None, None
-        if self.tree_budget is not None and not self.width_plan and all(s.sampling.greedy for s in self.rows):
+        if self.tree_budget is not None and not self.width_plan and all(s.sampling.greedy for s in live):
             budget = self.budgets.choose(len(self.rows)) if self.budgets is not None else self.tree_budget
             if budget > 0:
-                spec = TreeSpec(budget, self.tree_topk, [self.lookup.propose(s.prompt_ids + s.output_ids, self.B - 1)
+                spec = TreeSpec(budget, self.tree_topk, [[] if s is None else
+                                                         self.lookup.propose(s.prompt_ids + s.output_ids, self.B - 1)
                                                          for s in self.rows])
                 width, adaptive = self.B, False
             else:
@@ -344,17 +359,42 @@ class ModelRunner:
         host = torch.cat([n_keep, choice.reshape(-1)]).tolist()  # the step's one read back to the host
         n_list, tokens = host[:L], host[L:]
         self.batch.commit(n_keep, max(n_list))
+        accepted_live = [n - 1 for s, n in zip(self.rows, n_list) if s is not None]
         if adaptive:
-            self.widths.observe([n - 1 for n in n_list], width, L * width, time.perf_counter() - t0)
+            self.widths.observe(accepted_live, width, L * width, time.perf_counter() - t0)
         if self.budgets is not None and budget is not None:
-            self.budgets.observe([n - 1 for n in n_list], budget, time.perf_counter() - t0)
+            self.budgets.observe(accepted_live, budget, time.perf_counter() - t0)
         return [tokens[i * q:i * q + n] for i, n in enumerate(n_list)], n_list
 
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.rows if s is not None]
+
     def remove(self, seqs: list[Sequence]) -> None:
+        """Frees the rows of these sequences: a prefilled sequence takes such a row in place (see `rows`); the
+        next decode step drops those that no prefill waits for. A free row's slots are masked and its position
+        reset, so that the steps it rides along in until then stay within the cache and the model's positions.
+        `drop_free_rows` next."""
         gone = {id(s) for s in seqs}
-        keep = [r for r, s in enumerate(self.rows) if id(s) not in gone]
-        if len(keep) == len(self.rows):
+        free = [r for r, s in enumerate(self.rows) if s is not None and id(s) in gone]
+        if not free:
             return
+        for r in free:
+            self.rows[r] = None
+        index = torch.tensor(free, dtype=torch.long, device=self.device)
+        self.batch.mask_rows(index)
+        self.anchor[index], self.anchor_pos[index] = 0, 0
+
+    def drop_free_rows(self, keep: int) -> None:
+        """Keeps `keep` free rows (as many as sequences will soon join); the others leave the batch (one copy of
+        the caches)."""
+        free = [r for r, s in enumerate(self.rows) if s is None]
+        if len(free) <= keep:
+            return
+        gone = set(free[keep:])
+        self._keep_rows([r for r in range(len(self.rows)) if r not in gone])
+
+    def _keep_rows(self, keep: list[int]) -> None:
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.batch.select_rows(index)
         self.anchor, self.anchor_pos = self.anchor[index], self.anchor_pos[index]
@@ -484,9 +524,9 @@ class LLMEngine:
             runner.start_prefill(admitted)
         updates: list[tuple[Sequence, list[int], int | None]] = []
         # run: one decode step for the running rows, then a chunk of prefill for the joining ones
-        if runner.rows:
+        if runner.live:
             tokens, accepted = runner.decode()
-            updates += [(s, t, a) for s, t, a in zip(runner.rows, tokens, accepted)]
+            updates += [(s, t, a) for s, t, a in zip(runner.rows, tokens, accepted) if s is not None]
         if sched.prefilling:
             joined = runner.prefill_chunk(self.config.prefill_tokens)
             updates += [(s, [t], None) for s, t in joined]
@@ -503,6 +543,7 @@ class LLMEngine:
                 seq.on_update(seq, delta)
         sched.finish(finished)
         runner.remove(finished)
+        runner.drop_free_rows(keep=sched.num_waiting + len(sched.prefilling))
         for seq in dropped:
             if seq.on_update is not None:
                 seq.on_update(seq, "")

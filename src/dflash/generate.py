@@ -207,7 +207,8 @@ class _Generation:
             return
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
         most = (self.tree.budget or max(self.budgets.budgets)) if self.tree is not None else 0
-        room = self.B + (most + self.B if self.tree is not None else 0)  # a tree's nodes at the end
+        # a tree's nodes at the end, and the spare slot of SpecBatch.make_room
+        room = self.B + (most + self.B if self.tree is not None else 0) + 1
         self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + room, self.runtime)
         batch.start(b, P + min(self.max_new, 256) + self.B)
         live = torch.arange(b, device=self.device)  # batch rows still decoding (finished ones are retired)

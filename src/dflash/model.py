@@ -74,6 +74,12 @@ class DraftKVCache:
         self.positions = join_rows(self.positions, other.positions, shifts, capacity, row_dim=0, slot_dim=1)
         self.capacity = capacity
 
+    def put_row(self, row: int, other: "DraftKVCache", shift: int, n: int) -> None:
+        """Puts other's one row (its first n slots) in place of row `row`, shifted as the target cache's was."""
+        self.keys[:, row, :, shift:shift + n] = other.keys[:, 0, :, :n]
+        self.values[:, row, :, shift:shift + n] = other.values[:, 0, :, :n]
+        self.positions[row, shift:shift + n] = other.positions[0, :n]
+
     def gather_slots(self, index: torch.Tensor) -> None:
         """Moves slots so that row b's slot j takes old slot index[b, j] (used to compact the cache)."""
         n = index.shape[1]

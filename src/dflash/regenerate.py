@@ -4,10 +4,11 @@ A source `self:N` asks the target for N prompts of its own: its chat template up
 until the user turn ends. Those records (kind "self-prompt") are a prompt file for a second run, which answers
 them; training skips them.
 
-The prompts are put in a fixed order (by token length, so batches pad little) and cut into fixed chunks of
-`batch_size`; chunk k becomes shard `shard-<start>-<end>.jsonl`, written atomically. A restarted run skips
-the chunks whose shards exist, so nothing is generated twice and nothing is lost. Sampling seeds depend only
-on the chunk, so a resumed run writes exactly what an uninterrupted one would have.
+The prompts are put in a fixed order (by token length within windows) and cut into fixed chunks of
+`batch_size`; chunk k becomes shard `shard-<start>-<end>.jsonl`, written atomically once all its answers are
+done. A restarted run skips the chunks whose shards exist, so nothing is generated twice and nothing is lost.
+Sampling seeds depend only on a prompt's chunk and place in it, so a resumed run writes exactly what an
+uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from .errors import DFlashError
 from .io import atomic_write_text
-from .prompts import BadLine, Prompt, encode_prompt, left_pad, pad_id_for, read_prompts, user_turn_prefix
+from .prompts import BadLine, Prompt, encode_prompt, read_prompts, user_turn_prefix
 
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
 PACKED = "packed-*.safetensors"  # the chunks `dflash pack` keeps (dflash.dataset)
@@ -111,8 +112,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
                progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
-    from .generate import default_stop_token_ids, stream_generate
-    from .generate import run as run_stream
+    from .generate import default_stop_token_ids
     from .loading import load_draft, load_target, load_tokenizer
 
     output = Path(cfg.output)
@@ -153,22 +153,17 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     starts = list(range(0, n, cfg.batch_size))
     finished = done_chunks(output) | (packed_chunks(cfg.packed, cfg) if cfg.packed else set())
     todo = [s for s in starts if s not in finished]
-    pad_id = pad_id_for(tokenizer, stop_ids)
     t0, new_tokens, written = time.perf_counter(), 0, 0
     bar = tqdm(total=n, initial=n - sum(min(cfg.batch_size, n - s) for s in todo), unit="sample",
                desc="regenerate", disable=not progress, dynamic_ncols=True)
-    for s in todo:
+    chunks = [(s, encoded[s:s + cfg.batch_size]) for s in todo]
+    if cfg.base_url:
+        answered = ((s, remote_answers(cfg, [c[0].messages for c in chunk], s, tokenizer, stop_ids))
+                    for s, chunk in chunks)
+    else:
+        answered = engine_answers(target, draft, chunks, cfg)
+    for s, answers in answered:
         chunk = encoded[s:s + cfg.batch_size]
-        if cfg.base_url:
-            answers = remote_answers(cfg, [c[0].messages for c in chunk], s, tokenizer, stop_ids)
-        else:
-            ids, mask = left_pad([c[1] for c in chunk], pad_id)
-            gen = torch.Generator(device=next(target.parameters()).device).manual_seed(cfg.seed * 1_000_003 + s)
-            kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                      top_p=cfg.top_p, stop_token_ids=stop_ids, generator=gen, runtime=cfg.runtime)
-            out = run_stream(stream_generate(target, draft, ids, mask, **kw))
-            answers = [out.sequences[i, ids.shape[1]:ids.shape[1] + k].tolist()
-                       for i, k in enumerate(out.num_new_tokens)]
         lines = []
         for (prompt, prompt_ids), answer in zip(chunk, answers):
             k = len(answer)
@@ -195,6 +190,31 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
           f"{summary['seconds']} s); skipped {len(bad)} bad lines and {len(too_long)} over-long prompts",
           file=sys.stderr)
     return summary
+
+
+def engine_answers(target, draft, chunks: list[tuple[int, list]], cfg: RegenerateConfig):
+    """Answers chunk by chunk through the serving engine's continuous batching: a row that finishes takes the
+    next prompt at once, so the batch stays full instead of shrinking as a static batch's rows finish (which
+    made fewer tokens per second). Each answer is the target's alone: the runtimes compute a row the same
+    whoever runs beside it, and a sampled row draws from its own generator, seeded by the chunk and its place
+    in it (as requests to a server are). Yields (chunk start, answers as token ids) as chunks complete."""
+    from collections import deque
+
+    from .engine import EngineConfig, LLMEngine
+    from .sampling import SamplingParams
+
+    engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=cfg.batch_size, runtime=cfg.runtime,
+                                                         max_queue=2 * cfg.batch_size))
+    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    queue, live = deque(chunks), {}
+    while queue or live:
+        while queue and engine.scheduler.num_waiting < cfg.batch_size:  # rows never wait for prompts
+            s, chunk = queue.popleft()
+            live[s] = [engine.add_request(ids, max_tokens=cfg.max_new_tokens, sampling=sampling,
+                                          seed=cfg.seed * 1_000_003 + s + i) for i, (_, ids) in enumerate(chunk)]
+        engine.step()
+        for s in [s for s, seqs in live.items() if all(q.finish_reason for q in seqs)]:
+            yield s, [q.output_ids + ([q.stop_token_id] if q.finish_reason == "stop" else []) for q in live.pop(s)]
 
 
 def remote_answers(cfg: RegenerateConfig, conversations: list[list[dict]], chunk_start: int, tokenizer,

@@ -131,6 +131,16 @@ class TargetAdapter:
         self.capacity, self.pointer = capacity, p
         return shifts
 
+    def put_row(self, row: int, other: "TargetAdapter", shift: int) -> None:
+        """Puts the one row of `other` in place of batch row `row`, its slots moved `shift` slots right (so that
+        it ends at this batch's pointer); the row's old slots are masked. One row's copy, where `merge` copies all."""
+        n = other.pointer
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys[row, :, shift:shift + n] = theirs.keys[0, :, :n]
+            mine.values[row, :, shift:shift + n] = theirs.values[0, :, :n]
+        self.valid[row] = False
+        self.valid[row, shift:shift + n] = other.valid[0, :n]
+
     def compaction_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index [b, m] that right-aligns each row's valid slots (as left padding would), and the new valid mask."""
         valid = self.valid[:, :self.pointer]

@@ -109,10 +109,23 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
                int64_t nq, int64_t T, int64_t d_runtime, int64_t k_stride, int64_t v_stride, float scale) {
   const int64_t d = D ? D : d_runtime, R = r1 - r0, Tpad = (T + kLanes - 1) / kLanes * kLanes;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  // the slots any of these rows sees lie in [lo, hi): a row that joined a running batch, or a short row beside long
+  // ones, has many slots it never sees before its first; nothing below reads outside the span (every sum runs in
+  // slot order, and an unseen slot only ever added an exact 0), so the results are the same bits
+  int64_t lo = T, hi = 0;
+  for (int64_t r = r0; r < r1; ++r) {
+    const bool* row = visible + (r % nq) * T;
+    int64_t first = 0, end = T;
+    while (first < T && !row[first]) ++first;
+    while (end > first && !row[end - 1]) --end;
+    if (first < end) lo = std::min(lo, first), hi = std::max(hi, end);
+  }
+  if (lo >= hi) lo = hi = 0;
+  lo -= lo % kLanes;  // blocks of 16 (and of 8) start where they did
   std::vector<float> scores(R * Tpad, neg_inf), kbuf(8 * d), zeros(d, 0.0f), block(kLanes * d);
   // scores, 8 keys at a time (each widened once for all the rows); a row skips the keys it sees none of
-  for (int64_t j0 = 0; j0 < T; j0 += 8) {
-    const int64_t n = std::min<int64_t>(8, T - j0);
+  for (int64_t j0 = lo; j0 < hi; j0 += 8) {
+    const int64_t n = std::min<int64_t>(8, hi - j0);
     const float* key[8];
     for (int64_t l = 0; l < 8; ++l)
       key[l] = l < n ? row_fp32(k + (j0 + l) * k_stride, kbuf.data() + l * d, d) : zeros.data();
@@ -131,21 +144,21 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
   for (int64_t r = 0; r < R; ++r) {
     const float* s = scores.data() + r * Tpad;
     float m = neg_inf;
-    for (int64_t j = 0; j < T; ++j) m = s[j] > m ? s[j] : m;
+    for (int64_t j = lo; j < hi; ++j) m = s[j] > m ? s[j] : m;
     float* w = weights.data() + r * Tpad;
-    for (int64_t j = 0; j < Tpad; j += kLanes) {
+    for (int64_t j = lo; j < hi; j += kLanes) {
       float shifted[kLanes];
       for (int l = 0; l < kLanes; ++l) shifted[l] = m == neg_inf ? neg_inf : s[j + l] - m;
       exp16(shifted, w + j);
     }
   }
-  for (int64_t j = 0; j < T; ++j)
+  for (int64_t j = lo; j < hi; ++j)
     for (int64_t r = 0; r < R; ++r) total[r] += weights[r * Tpad + j];
   // weighted values, 16 keys at a time: each query's output block stays in registers over the 16 keys, and
   // every output element adds its terms in slot order
   std::vector<float> acc(R * d, 0.0f);
-  for (int64_t j0 = 0; j0 < T; j0 += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, T - j0);
+  for (int64_t j0 = lo; j0 < hi; j0 += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, hi - j0);
     const float* value[kLanes];
     for (int64_t l = 0; l < n; ++l) value[l] = row_fp32(v + (j0 + l) * v_stride, block.data() + l * d, d);
     for (int64_t r = 0; r < R; ++r) {
