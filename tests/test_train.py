@@ -501,6 +501,11 @@ def test_packed_answers_read_back_as_the_regenerated_records(lang, tmp_path):
     target, tok, root = lang
     data = tmp_path / "data"
     shutil.copytree(root / "data", data)
+    # a record whose text holds a raw line separator (U+2028), as answers written with ensure_ascii=False do
+    shard = sorted(data.glob("shard-*.jsonl"))[0]
+    lines = shard.read_text(encoding="utf-8").split("\n")
+    lines[0] = json.dumps({**json.loads(lines[0]), "note": "a\u2028b\x85c"}, ensure_ascii=False)
+    shard.write_text("\n".join(lines), encoding="utf-8")
     made = pack(data, tmp_path / "packed")
     assert made["new_shards"] == 3 and made["new_records"] == 48
     assert pack(data, tmp_path / "packed")["new_shards"] == 0  # packed shards are never rewritten

@@ -86,7 +86,9 @@ def pack(folder: str | os.PathLike, output: str | os.PathLike) -> dict:
         target = output / f"packed-{m.group(1)}-{m.group(2)}.safetensors"
         if target.exists():
             continue
-        rows = [json.loads(line) for line in shard.read_text(encoding="utf-8").splitlines() if line.strip()]
+        # JSON lines split on "\n" only: str.splitlines also breaks at U+2028 and friends, which answers written
+        # with ensure_ascii=False carry raw inside their strings
+        rows = [json.loads(line) for line in shard.read_text(encoding="utf-8").split("\n") if line.strip()]
         rows = [r for r in rows if r.get("kind") is None]  # answers only
         answers, prompts_self, meta = [], [], []
         for r in rows:

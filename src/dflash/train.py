@@ -560,7 +560,7 @@ def plot_training_log(log_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in Path(log_path).read_text().split("\n") if line.strip()]
     train_e = [e for e in entries if "loss" in e]
     eval_e = [e for e in entries if "eval_tau" in e]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
