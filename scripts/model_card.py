@@ -57,7 +57,7 @@ def data_counts(folder: Path) -> tuple[int, int]:
         return n, t
     n = t = 0
     for shard in sorted(folder.glob("shard-*.jsonl")):
-        for line in shard.read_text().splitlines():
+        for line in shard.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 r = json.loads(line)
                 if r.get("kind") is None:

@@ -7,11 +7,11 @@
 #
 # Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers;
 # r2 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights);
-# r6 128 anchors per sequence; r7 lr 1e-3.
+# r6 128 anchors per sequence; r7 lr 1e-3; r8 half the loss from the target's own distribution (--distill).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r7}"
+ARM="${1:?name an arm: r0..r8}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
@@ -25,6 +25,7 @@ case "$ARM" in
     r5) EXTRA=(--gamma 7) ;;
     r6) EXTRA=(--num-anchors 128) ;;
     r7) EXTRA=(--lr 1e-3) ;;
+    r8) EXTRA=(--distill 0.5) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086

@@ -199,20 +199,54 @@ def test_draft_vocabulary_loss():
         assert torch.allclose(part, (ce * w).sum() / w.sum(), atol=1e-5)
 
 
-def test_a_large_head_loss_goes_in_chunks_with_the_same_value_and_gradient(monkeypatch):
+def test_distillation_learns_each_slot_from_the_targets_distribution_at_the_position_before_it():
+    """Slot k of anchor a learns from the target's distribution at a+k-1, renormalised over the draft vocabulary:
+    a target sure of each next token gives exactly the label loss, and a real one the mix written out by hand."""
+    target = tiny_target("llama", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    draft.set_draft_vocab(torch.arange(3, 60))
+    ids = torch.randint(3, 96, (20,), generator=torch.Generator().manual_seed(1))
+    feats, logits = target_features(target, [0, 2], ids, with_logits=True)
+    assert torch.equal(feats, target_features(target, [0, 2], ids)) and logits.shape == (20, 96)
+    loss_mask, anchors = torch.ones(20, dtype=torch.long), torch.tensor([2, 7, 11, 17])
+    with torch.no_grad():
+        plain, (correct, _) = DFlashTrainStep(draft, 3.0)(feats, ids, loss_mask, anchors)
+        sure = torch.full((20, 96), -1e4)
+        sure[torch.arange(19), ids[1:]] = 1e4  # position t is sure of token t+1
+        mixed, (correct2, _) = DFlashTrainStep(draft, 3.0, distill=1.0)(feats, ids, loss_mask, anchors, sure)
+        assert torch.allclose(plain, mixed, atol=1e-5) and torch.equal(correct, correct2)
+        step = DFlashTrainStep(draft, 3.0, distill=0.3)
+        got, _ = step(feats, ids, loss_mask, anchors, logits)
+        hidden = step.block_hidden(feats, ids, anchors)[:, 1:]  # [n, B-1, H]
+        num = den = 0.0
+        for i, a in enumerate(anchors.tolist()):
+            for k in range(1, 4):
+                if a + k >= 20 or not 3 <= ids[a + k] < 60:
+                    continue  # past the end, or a label the draft vocabulary cannot propose
+                logq = torch.log_softmax(draft.lm_head(hidden[i, k - 1])[3:60], -1)
+                p = torch.softmax(logits[a + k - 1, 3:60], -1)
+                w = math.exp(-(k - 1) / 3.0)
+                num += w * (0.7 * -logq[ids[a + k] - 3] + 0.3 * -(p * logq).sum())
+                den += w
+        assert torch.allclose(got, num / den, atol=1e-5)
+
+
+@pytest.mark.parametrize("distill", [0.0, 0.5])
+def test_a_large_head_loss_goes_in_chunks_with_the_same_value_and_gradient(monkeypatch, distill):
     # the logits of many rows over a large vocabulary are made a chunk at a time, again in backward
     from dflash import model as model_mod
 
     target = tiny_target("llama", seed=2)
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 2])
     ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(1))
-    feats = target_features(target, [0, 2], ids)
-    step = DFlashTrainStep(draft, 3.0)
+    feats, logits = target_features(target, [0, 2], ids, with_logits=True)
+    step = DFlashTrainStep(draft, 3.0, distill)
     results = []
     for at_once in (model_mod.LOGITS_AT_ONCE, 96 * 7):  # all rows at once; 7 rows a chunk
         monkeypatch.setattr(model_mod, "LOGITS_AT_ONCE", at_once)
         draft.zero_grad()
-        loss, (correct, counted) = step(feats, ids, torch.ones(40, dtype=torch.long), torch.arange(2, 38, 3))
+        loss, (correct, counted) = step(feats, ids, torch.ones(40, dtype=torch.long), torch.arange(2, 38, 3),
+                                        logits)
         loss.backward()
         results.append((loss.detach(), correct, [p.grad.clone() for p in draft.parameters()]))
     (a, ca, ga), (b, cb, gb) = results
@@ -356,6 +390,9 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     b = DFlashDraftModel.from_pretrained(tmp_path / "cached" / "final")
     for k, v in a.state_dict().items():
         assert torch.allclose(v, b.state_dict()[k], atol=1e-6), k
+    with pytest.raises(DFlashError, match="cached features \\(--features\\) do not hold"):
+        train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), distill=0.5, **kw), target=target,
+              tokenizer=tok, progress=False)
     with pytest.raises(DFlashError, match="tap layers"):
         train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), target_layer_ids=[0], **kw),
               target=target, tokenizer=tok, progress=False)
@@ -555,6 +592,8 @@ def test_bad_training_inputs(lang, tmp_path, capsys):
     (broken / "shard-000000-000002.jsonl").write_text('{"input_ids": [1, 2], "loss_mask": [0]}\nnot json\n')
     assert read_dataset([broken]) == []
     assert "loss_mask does not fit" in capsys.readouterr().err
+    with pytest.raises(DFlashError, match="--distill 1.5: expected a weight in \\[0, 1\\]"):
+        train(cfg_for(root, tmp_path / "o", distill=1.5), target=target, tokenizer=tok)
     yml = tmp_path / "c.yaml"
     yml.write_text("block_size: 8\nbogus_option: 1\n")
     with pytest.raises(DFlashError, match="unknown options \\['bogus_option'\\]"):

@@ -252,6 +252,8 @@ _TRAIN_HELP = {
     "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",
     "num_anchors": "anchors (blocks) per sequence", "gamma": "loss decay exp(-(k-1)/gamma); None = 7*(B-1)/15",
+    "distill": "weight of the target's own next-token distribution in the loss, 0..1 (the rest: its tokens); "
+               "needs the target's forward, so no --features",
     "lr": "peak learning rate (AdamW)", "warmup": "warm-up fraction of all steps (then cosine decay)",
     "weight_decay": "AdamW weight decay", "epochs": "passes over the data",
     "max_steps": "stop after this many steps (schedule still spans all epochs)", "max_length": "tokens per sequence",

@@ -590,13 +590,19 @@ class DFlashDraftModel(nn.Module):
         return (ids if rows is None else rows[ids]).view(b, n)
 
 
-def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None):
+def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None, *,
+              target_logits: torch.Tensor | None = None, positions: torch.Tensor | None = None, distill: float = 0.0):
     """Weighted cross-entropy of the draft's (already normed) final states hidden [..., H] against labels [...]
-    (-100: not counted), and which predictions were right ([...] float, 0 where not counted)."""
+    (-100: not counted), and which predictions were right ([...] float, 0 where not counted).
+
+    distill > 0 mixes in the cross-entropy against the target's own next-token distribution: row r learns from
+    softmax(target_logits[positions[r]]) (target_logits [T, V], positions [...]), with weight distill, and from its
+    label with weight 1 - distill. With a draft vocabulary the target's distribution is renormalised over it."""
     counted = labels != -100
     if d.draft_vocab is None:
         keep = counted
         weight, bias = d.lm_head.weight, getattr(d.lm_head, "bias", None)
+        rows = None
     else:
         # a draft vocabulary: logits over its rows only (6x less LM-head work at 8k of 49k); a label outside
         # it can never be proposed, so it counts as a miss and adds no loss
@@ -605,9 +611,15 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
         index[rows.to(labels.device)] = torch.arange(len(rows), device=labels.device)
         labels = torch.where(counted, index[labels.clamp(min=0)], -100)
         keep = labels >= 0
+    soft = None
+    if distill:
+        if target_logits is None or positions is None:
+            raise ValueError("distill > 0 needs the target's logits and each row's position")
+        t = target_logits if rows is None else target_logits[:, rows.to(target_logits.device)]
+        soft = (torch.softmax(t.float(), -1), positions[keep])  # [T, V'] probabilities, and each kept row's
     w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
     w = w[keep]
-    ce_sum, predicted = _weighted_ce(hidden[keep].to(weight.dtype), weight, bias, labels[keep], w)
+    ce_sum, predicted = _weighted_ce(hidden[keep].to(weight.dtype), weight, bias, labels[keep], w, soft, distill)
     loss = ce_sum / w.sum().clamp(min=1e-9)
     correct = torch.zeros_like(labels, dtype=torch.float32)
     correct[keep] = (predicted == labels[keep]).float()
@@ -617,25 +629,31 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
 LOGITS_AT_ONCE = 1 << 25  # logits (rows x vocabulary) made at once by the training loss: 128 MB in fp32
 
 
-def _ce_rows(h, weight, bias, labels, w):
+def _ce_rows(h, weight, bias, labels, w, probs=None, pos=None, distill=0.0):
     logits = F.linear(h, weight, bias).float()
-    ce = (F.cross_entropy(logits, labels, reduction="none") * w).sum()
-    return ce, logits.argmax(-1)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if probs is not None:
+        # the gradient of -sum p log q is that of KL(p || q): p is fixed
+        soft_ce = -(probs[pos] * torch.log_softmax(logits, -1)).sum(-1)
+        ce = (1 - distill) * ce + distill * soft_ce
+    return (ce * w).sum(), logits.argmax(-1)
 
 
-def _weighted_ce(h, weight, bias, labels, w) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum(w * CE) and the argmax predictions of rows h [N, H] against the head. Past LOGITS_AT_ONCE logits the
-    rows go in chunks whose logits are made again in backward instead of kept (a full-vocabulary head over the
-    published recipe's 7.7k block positions would hold ~4.7 GB of logits)."""
+def _weighted_ce(h, weight, bias, labels, w, soft=None, distill=0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(w * CE) and the argmax predictions of rows h [N, H] against the head (soft: the target's probabilities
+    [T, V] and each row's position in them, for distillation). Past LOGITS_AT_ONCE logits the rows go in chunks
+    whose logits are made again in backward instead of kept (a full-vocabulary head over the published recipe's
+    7.7k block positions would hold ~4.7 GB of logits)."""
     from torch.utils.checkpoint import checkpoint
 
+    probs, pos = soft if soft is not None else (None, None)
     chunk = max(1, LOGITS_AT_ONCE // weight.shape[0])
     if h.shape[0] <= chunk or not torch.is_grad_enabled():
-        return _ce_rows(h, weight, bias, labels, w)
+        return _ce_rows(h, weight, bias, labels, w, probs, pos, distill)
     total, predicted = h.new_zeros((), dtype=torch.float32), []
     for i in range(0, h.shape[0], chunk):
-        ce, p = checkpoint(_ce_rows, h[i:i + chunk], weight, bias, labels[i:i + chunk], w[i:i + chunk],
-                           use_reentrant=False)
+        ce, p = checkpoint(_ce_rows, h[i:i + chunk], weight, bias, labels[i:i + chunk], w[i:i + chunk], probs,
+                           None if pos is None else pos[i:i + chunk], distill, use_reentrant=False)
         total = total + ce
         predicted.append(p)
     return total, torch.cat(predicted)

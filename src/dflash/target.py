@@ -208,9 +208,12 @@ class TargetAdapter:
 
 
 @torch.no_grad()
-def target_features(target, layer_ids: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-    """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]."""
+def target_features(target, layer_ids: list[int], input_ids: torch.Tensor, *, with_logits: bool = False):
+    """Outputs of the tapped decoder layers over one whole sequence: [T] -> [T, n_ids*H]; with_logits: also the
+    target's next-token logits at every position, [T, V] (what a distilled draft learns from)."""
     with tap_layers(decoder_layers(target), layer_ids) as got:
-        # logits_to_keep=1 skips most of the LM head; only the tapped layer outputs are wanted
-        target(input_ids=input_ids[None].to(target.device), use_cache=False, logits_to_keep=1)
-    return torch.cat([got[i][0] for i in layer_ids], -1)
+        # logits_to_keep=1 skips most of the LM head when only the tapped layer outputs are wanted
+        out = target(input_ids=input_ids[None].to(target.device), use_cache=False,
+                     logits_to_keep=0 if with_logits else 1)
+    feats = torch.cat([got[i][0] for i in layer_ids], -1)
+    return (feats, out.logits[0]) if with_logits else feats

@@ -48,6 +48,7 @@ class TrainConfig:
     mask_token_id: int | None = None
     num_anchors: int = 512
     gamma: float | None = None  # None: 7 for B=16, scaled with B otherwise
+    distill: float = 0.0  # weight of the target's own next-token distribution in the loss (rest: its tokens)
     ttt_steps: int | None = None  # eagle3: chain steps unrolled in training (None: block_size - 1)
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of all steps
@@ -125,9 +126,10 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 class DFlashTrainStep(nn.Module):
     """Loss of one sequence; a module so DistributedDataParallel can wrap it."""
 
-    def __init__(self, draft: DFlashDraftModel, gamma: float):
+    def __init__(self, draft: DFlashDraftModel, gamma: float, distill: float = 0.0):
         super().__init__()
         self.draft = draft
+        self.distill = distill
         # on the draft's device: DistributedDataParallel broadcasts buffers, and NCCL takes no CPU tensor
         self.register_buffer("weights", loss_weights(draft.config.block_size, gamma).to(draft.fc.weight.device),
                              persistent=False)
@@ -140,8 +142,9 @@ class DFlashTrainStep(nn.Module):
                                                cfg.block_size, cfg.mask_token_id)
         return self.draft.packed_blocks(features, block_ids, block_pos, anchors)
 
-    def forward(self, features, input_ids, loss_mask, anchors):
-        """Weighted loss of one sequence, and (correct, counted) predictions per block slot."""
+    def forward(self, features, input_ids, loss_mask, anchors, target_logits=None):
+        """Weighted loss of one sequence, and (correct, counted) predictions per block slot. target_logits [T, V]:
+        the target's next-token logits over the sequence, for distillation."""
         d = self.draft
         block_ids, block_pos, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(),
                                                     d.config.block_size, d.config.mask_token_id)
@@ -149,7 +152,13 @@ class DFlashTrainStep(nn.Module):
         hidden = d.packed_blocks(features, block_ids, block_pos, anchors)[:, 1:]  # predictions: the mask slots
         counted = labels != -100
         w = self.weights.to(features.device).expand_as(labels)
-        loss, correct = head_loss(d, hidden, labels, w)
+        soft = {}
+        if self.distill:
+            # slot k of anchor a predicts token a+k: the target's distribution for it sits at position a+k-1
+            pos = anchors.to(labels.device)[:, None] + torch.arange(labels.shape[1], device=labels.device)
+            soft = dict(target_logits=target_logits, positions=pos.clamp(max=input_ids.shape[0] - 1),
+                        distill=self.distill)
+        loss, correct = head_loss(d, hidden, labels, w, **soft)
         return loss, (correct.sum(0), counted.float().sum(0))
 
 
@@ -412,7 +421,14 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if eagle != (cfg.method == "eagle3"):
         raise DFlashError(f"--method {cfg.method} but the starting draft is a {draft.config.draft_method} draft")
     n_slots = (cfg.ttt_steps or cfg.block_size - 1) if eagle else cfg.block_size - 1  # per-slot (per-step) accuracy
-    step_module = Eagle3TrainStep(draft, n_slots) if eagle else DFlashTrainStep(draft, cfg.resolved_gamma())
+    if not 0.0 <= cfg.distill <= 1.0:
+        raise DFlashError(f"--distill {cfg.distill}: expected a weight in [0, 1]")
+    if cfg.distill and (eagle or store is not None):
+        raise DFlashError("--distill learns from the target's logits, which " + (
+            "the EAGLE-3-style trainer does not take" if eagle else
+            "cached features (--features) do not hold: train without --features"))
+    step_module = (Eagle3TrainStep(draft, n_slots) if eagle
+                   else DFlashTrainStep(draft, cfg.resolved_gamma(), cfg.distill))
     model = step_module
     if world > 1:
         model = nn.parallel.DistributedDataParallel(step_module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -489,7 +505,13 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             lm = torch.tensor(r["loss_mask"][:cfg.max_length])
             ag = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch * 100_003 + idx)
             anchors = sample_anchors(lm, cfg.num_anchors, ag)
-            feats = store.get(idx) if store is not None else target_features(target, layer_ids, ids)
+            logits = None
+            if store is not None:
+                feats = store.get(idx)
+            elif cfg.distill:
+                feats, logits = target_features(target, layer_ids, ids, with_logits=True)
+            else:
+                feats = target_features(target, layer_ids, ids)
             feats = feats.to(device)
             sync = world == 1 or micro == len(batch) - 1
             ctx = model.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
@@ -498,7 +520,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                     loss = sum(p.sum() * 0 for p in params)
                     per_slot = (torch.zeros(n_slots), torch.zeros(n_slots))
                 else:
-                    loss, per_slot = model(feats, ids.to(device), lm.to(device), anchors.to(device))
+                    extra = () if logits is None else (logits.to(device),)
+                    loss, per_slot = model(feats, ids.to(device), lm.to(device), anchors.to(device), *extra)
                 (loss / len(batch)).backward()
             window_loss += loss.item()
             window_n += 1
