@@ -616,7 +616,7 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
         if target_logits is None or positions is None:
             raise ValueError("distill > 0 needs the target's logits and each row's position")
         t = target_logits if rows is None else target_logits[:, rows.to(target_logits.device)]
-        soft = (torch.softmax(t.float(), -1), positions[keep])  # [T, V'] probabilities, and each kept row's
+        soft = (torch.softmax(t.float(), -1), positions[keep])  # [T, V'] probabilities; each kept row's position
     w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
     w = w[keep]
     ce_sum, predicted = _weighted_ce(hidden[keep].to(weight.dtype), weight, bias, labels[keep], w, soft, distill)
