@@ -369,6 +369,12 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         raise DFlashError(f"unknown --method {cfg.method!r}: expected one of {', '.join(DRAFT_METHODS)}")
     if not cfg.data:
         raise DFlashError("no training data: pass one or more dataset folders (from `dflash regenerate`)")
+    if not 0.0 <= cfg.distill <= 1.0:
+        raise DFlashError(f"--distill {cfg.distill}: expected a weight in [0, 1]")
+    if cfg.distill and (cfg.method == "eagle3" or cfg.features):
+        raise DFlashError("--distill learns from the target's logits, which " + (
+            "the EAGLE-3-style trainer does not take" if cfg.method == "eagle3" else
+            "cached features (--features) do not hold: train without --features"))
     if target is None:
         device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         target, tokenizer = load_target(cfg.target, dtype=precision(cfg.dtype, device), device=device,
@@ -421,12 +427,6 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if eagle != (cfg.method == "eagle3"):
         raise DFlashError(f"--method {cfg.method} but the starting draft is a {draft.config.draft_method} draft")
     n_slots = (cfg.ttt_steps or cfg.block_size - 1) if eagle else cfg.block_size - 1  # per-slot (per-step) accuracy
-    if not 0.0 <= cfg.distill <= 1.0:
-        raise DFlashError(f"--distill {cfg.distill}: expected a weight in [0, 1]")
-    if cfg.distill and (eagle or store is not None):
-        raise DFlashError("--distill learns from the target's logits, which " + (
-            "the EAGLE-3-style trainer does not take" if eagle else
-            "cached features (--features) do not hold: train without --features"))
     step_module = (Eagle3TrainStep(draft, n_slots) if eagle
                    else DFlashTrainStep(draft, cfg.resolved_gamma(), cfg.distill))
     model = step_module
@@ -583,7 +583,7 @@ def plot_training_log(log_path: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    entries = [json.loads(line) for line in Path(log_path).read_text().split("\n") if line.strip()]
+    entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     train_e = [e for e in entries if "loss" in e]
     eval_e = [e for e in entries if "eval_tau" in e]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
