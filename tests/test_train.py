@@ -680,3 +680,30 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| one | 44 | 1 | 8 |" in out and "held-out" in out.splitlines()[0]
     assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_trained_draft_grows_layers_that_start_as_the_identity(lang, tmp_path):
+    target = tiny_target("qwen3", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    ids = torch.randint(3, 96, (14,), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, [0, 2], ids)
+    anchors = torch.tensor([3, 8])
+    before = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors).detach()
+    assert draft.grow_layers(3) == 2 and len(draft.layers) == draft.config.num_hidden_layers == 3
+    step = DFlashTrainStep(draft, 3.0)
+    after = step.block_hidden(feats, ids, anchors)
+    assert torch.equal(after, before)
+    after.square().sum().backward()  # the zeroed output projections learn, so the new layers do not stay idle
+    assert draft.layers[2].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert draft.layers[2].mlp.down_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(Exception, match="cannot grow a 3-layer draft to 2"):
+        draft.grow_layers(2)
+
+    # through `dflash train`: --init-draft with a larger --num-layers, saved and loaded with its new depth
+    target, tok, root = lang
+    train(cfg_for(root, tmp_path / "one", max_steps=3), target=target, tokenizer=tok, progress=False)
+    train(cfg_for(root, tmp_path / "two", max_steps=3, init_draft=str(tmp_path / "one" / "final"), num_layers=2),
+          target=target, tokenizer=tok, progress=False)
+    grown = DFlashDraftModel.from_pretrained(tmp_path / "two" / "final", target=target)
+    assert grown.config.num_hidden_layers == 2 and len(grown.layers) == 2
+    assert grown.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # trained away from zero

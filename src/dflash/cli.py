@@ -245,7 +245,7 @@ _TRAIN_HELP = {
     "method": "dflash (block diffusion) or eagle3 (an EAGLE-3-style chain drafter, for comparison)",
     "ttt_steps": "eagle3: chain steps unrolled in training (default: block size - 1)", "data": "dataset folders from `dflash regenerate`",
     "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features)",
-    "init_draft": "start from this draft instead of a fresh one",
+    "init_draft": "start from this draft instead of a fresh one (a --num-layers above its depth appends layers that start as the identity)",
     "init_from_target": "start the draft layers as copies of the target's last layers",
     "draft_vocab_size": "limit proposals to the N most frequent answer tokens (cheaper draft LM head)", "num_layers": "draft decoder layers",
     "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",

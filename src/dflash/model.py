@@ -346,6 +346,31 @@ class DFlashDraftModel(nn.Module):
                         copied.append(f"layers.{i}.{name}")
         return copied
 
+    def grow_layers(self, num_layers: int, std: float = 0.02) -> int:
+        """Appends decoder layers up to `num_layers` that start as the identity: their attention output and MLP
+        down projections are zero, so the residual stream, and so every proposal, is unchanged until training
+        moves them. A trained draft gains depth without losing what it learned. Returns the layers added."""
+        have = self.config.num_hidden_layers
+        if num_layers < have:
+            raise DFlashConfigError(f"cannot grow a {have}-layer draft to {num_layers} layers")
+        ref = next(self.parameters())
+        for i in range(have, num_layers):
+            self.config.layer_types = [*self.config.layer_types, self.config.layer_types[-1]]
+            self.config.num_hidden_layers = i + 1
+            layer = DFlashDecoderLayer(self.config, i).to(device=ref.device, dtype=ref.dtype)
+            with torch.no_grad():
+                for m in layer.modules():
+                    if isinstance(m, nn.Linear):
+                        nn.init.normal_(m.weight, std=std)
+                        if m.bias is not None:
+                            nn.init.zeros_(m.bias)
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            self.layers.append(layer)
+        self._head_cache = self._proposal_cache = None
+        self._compiled = None
+        return num_layers - have
+
     def reset_parameters(self, std: float = 0.02) -> None:
         for m in self.modules():
             if isinstance(m, nn.Linear):

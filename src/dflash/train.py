@@ -400,6 +400,13 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             print(f"dflash train: {cfg.init_draft} has block size {draft.config.block_size}; training with "
                   f"{cfg.block_size}", file=sys.stderr)
             draft.config.block_size = cfg.block_size
+        if cfg.num_layers > draft.config.num_hidden_layers:
+            if draft.config.draft_method != "dflash":
+                raise DFlashError(f"--num-layers {cfg.num_layers}: only a dflash draft grows layers")
+            have = draft.config.num_hidden_layers
+            draft.grow_layers(cfg.num_layers)
+            print(f"dflash train: grew {cfg.init_draft} from {have} to {cfg.num_layers} layers; the new ones start "
+                  f"as the identity, so training starts from its proposals", file=sys.stderr)
     elif cfg.method == "eagle3":
         torch.manual_seed(cfg.seed)
         draft = Eagle3DraftModel.from_target(target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
