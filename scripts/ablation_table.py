@@ -1,8 +1,10 @@
 """The recipe comparison, from training runs' own records: per run its data, depth, block, gamma, anchors,
 start, learning rate, schedule, hours and steps, and the last held-out evaluation (τ per test set, as
-`dflash train --eval-datasets` logs it); a markdown table, a plot of mean τ against hours (PNG) and one JSON line.
+`dflash train --eval-datasets` logs it, or, given as RUN=FOLDER, the `dflash evaluate --out FOLDER` of the run's
+draft, which can hold more prompts and tokens than a training run affords); a markdown table, a plot of mean τ
+against hours (PNG) and one JSON line.
 
-    python scripts/ablation_table.py runs/train/r0 runs/train/r1 ... [--out runs/train/ablation]
+    python scripts/ablation_table.py runs/train/r0 runs/train/r1=runs/eval/r1 ... [--out runs/train/ablation]
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_card import stage  # noqa: E402  (a run's steps and wall time over all its sittings)
 
 
-def run_row(folder: Path) -> dict:
+def run_row(arg: str) -> dict:
+    folder, _, evaluated = arg.partition("=")
+    folder = Path(folder)
     s = stage(str(folder))
     cfg = s["cfg"]
     log = [json.loads(line) for line in (folder / "log.jsonl").read_text().splitlines() if line.strip()]
@@ -30,28 +34,34 @@ def run_row(folder: Path) -> dict:
             prev = e["seconds"]
         if "eval_tau" in e:
             curve.append(((wall + prev) / 3600, e["eval_tau"]))
+    tau, mean, source = {k: v["tau"] for k, v in last.get("eval", {}).items()}, last.get("eval_tau"), "training log"
+    if evaluated:
+        res = json.loads((Path(evaluated) / "results.json").read_text())
+        c = res["config"]
+        tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
+        source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
     return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"],
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
-            "steps": s["steps"], "tau": {k: v["tau"] for k, v in last.get("eval", {}).items()},
-            "mean_tau": last.get("eval_tau"), "curve": curve}
+            "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="`dflash train` output folders")
+    ap.add_argument("runs", nargs="+", help="`dflash train` output folders, each optionally =its `dflash evaluate` folder")
     ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
     args = ap.parse_args(argv)
-    rows = [run_row(Path(r)) for r in args.runs]
+    rows = [run_row(r) for r in args.runs]
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ"]
+    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
         lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
-                                                  r["start"], r["lr"], r["hours"], r["steps"], *taus, mean])) + " |")
+                                                  r["start"], r["lr"], r["hours"], r["steps"], *taus, mean,
+                                                  r["evaluation"]])) + " |")
     print("\n".join(lines))
     if args.out:
         import matplotlib

@@ -681,6 +681,16 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     assert "| one | 44 | 1 | 8 |" in out and "held-out" in out.splitlines()[0]
     assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"
 
+    # a run paired with a `dflash evaluate` of its draft takes τ from that evaluation instead of its log
+    from dflash.evaluate import EvalConfig, run_evaluate
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "two" / "final", target=target)
+    ev = run_evaluate(target, tok, draft, EvalConfig(prompts=str(root / "prompts.jsonl"), num_prompts=6,
+                                                     max_new_tokens=16, runtime="hf"), str(tmp_path / "ev"))
+    capsys.readouterr()
+    rows = ablation_table.main([f"{tmp_path / 'two'}={tmp_path / 'ev'}"])
+    assert rows[0]["mean_tau"] == ev["mean_tau"] and rows[0]["tau"] == {k: v["tau"] for k, v in ev["datasets"].items()}
+    assert "evaluate 6×16, block 8" in capsys.readouterr().out
+
 
 def test_a_trained_draft_grows_layers_that_start_as_the_identity(lang, tmp_path):
     target = tiny_target("qwen3", seed=2)
