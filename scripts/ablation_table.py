@@ -47,22 +47,28 @@ def run_row(arg: str) -> dict:
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
 
 
-def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="`dflash train` output folders, each optionally =its `dflash evaluate` folder")
-    ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
-    args = ap.parse_args(argv)
-    rows = [run_row(r) for r in args.runs]
+def table_lines(rows: list[dict]) -> list[str]:
+    """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ", "τ from"]
+    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ",
+            "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
         lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
                                                   r["start"], r["lr"], r["hours"], r["steps"], *taus, mean,
-                                                  r["evaluation"]])) + " |")
-    print("\n".join(lines))
+                                                  r.get("evaluation", "training log")])) + " |")
+    return lines
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="`dflash train` output folders, each optionally =its `dflash evaluate` folder")
+    ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
+    args = ap.parse_args(argv)
+    rows = [run_row(r) for r in args.runs]
+    print("\n".join(table_lines(rows)))
     if args.out:
         import matplotlib
 

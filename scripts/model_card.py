@@ -68,16 +68,9 @@ def data_counts(folder: Path) -> tuple[int, int]:
 
 def ablation_lines(path: Path) -> list[str]:
     """The recipe comparison table of scripts/ablation_table.py's JSON."""
-    rows = json.loads(path.read_text())
-    sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", *sets, "mean τ"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
-        mean = "" if r["mean_tau"] is None else f"{r['mean_tau']:.2f}"
-        out.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
-                                                r["start"], r["lr"], r["hours"], *taus, mean])) + " |")
-    return out
+    from ablation_table import table_lines  # it imports this module's stage(): imported here, not at the top
+
+    return table_lines(json.loads(path.read_text()))
 
 
 def earlier_stages(card: Path) -> tuple[list[str], int, float]:
@@ -121,6 +114,14 @@ def main():
                       if not line.startswith("{"))
     final = Path(args.train[-1].partition(":")[0]) / "final" / "config.json"
     draft_cfg = json.loads(final.read_text())
+    from safetensors import safe_open
+
+    proposals = first["draft_vocab_size"] or draft_cfg["vocab_size"]
+    weights = final.parent / "model.safetensors"
+    if weights.is_file():  # a fine-tune keeps the draft vocabulary of the draft it started from
+        with safe_open(weights, "pt") as f:
+            if "draft_vocab" in f.keys():
+                proposals = f.get_slice("draft_vocab").get_shape()[0]
     eagle = draft_cfg.get("draft_method") == "eagle3"
     shape = (f"a chain of {draft_cfg['block_size'] - 1} proposals per step" if eagle else
              f"block size {draft_cfg['block_size']}, mask token {first['mask_token_id']}")
@@ -137,7 +138,7 @@ def main():
         "## Draft",
         f"- {draft_cfg['num_hidden_layers']} draft layer(s), {shape}, target layers "
         f"{first['target_layer_ids']}, proposals from the "
-        f"{first['draft_vocab_size'] or draft_cfg['vocab_size']} most frequent answer tokens.",
+        f"{proposals} most frequent answer tokens.",
         "",
         "## Training",
         *before,

@@ -62,13 +62,17 @@ def test_card_carries_over_the_stages_of_an_earlier_card(tmp_path):
     first = _card("--train", one, "--data", paths["data"], "--bench", paths["bench"], "--out", tmp_path / "first.md")
     assert "In all 30 steps and 0.58 h of training" in first
     # the first stage's folder is gone; the next stage started from the draft that card describes
-    two = _run_folder(tmp_path / "two", sittings=[[(40, 3600.0)]], tau=2.0)
+    two = _run_folder(tmp_path / "two", sittings=[[(40, 3600.0)]], tau=2.0, draft_vocab_size=None)
+    import torch
+    from safetensors.torch import save_file
+    save_file({"draft_vocab": torch.arange(12)}, tmp_path / "two" / "final" / "model.safetensors")
     card = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"],
                  "--bench", paths["bench"], "--out", tmp_path / "card.md")
     stage1 = next(line for line in first.splitlines() if line.startswith("- Stage 1"))
     assert stage1 in card.splitlines()
     assert "Stage 2, from the previous stage" in card and "held-out tau 2.00" in card
     assert "In all 70 steps and 1.58 h of training" in card
+    assert "proposals from the 12 most frequent answer tokens" in card  # the vocabulary it kept, not --draft-vocab-size
 
 
 def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison(tmp_path):
@@ -90,7 +94,8 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     (evaluate / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
     (tmp_path / "ablation.json").write_text(json.dumps([
         {"run": "r0", "data": 9, "depth": 1, "block": 8, "gamma": 3.27, "anchors": 512, "start": "fresh", "lr": 6e-4,
-         "hours": 2.0, "tau": {"gsm8k": 2.1}, "mean_tau": 2.1}]))
+         "hours": 2.0, "steps": 40, "tau": {"gsm8k": 2.1}, "mean_tau": 2.1,
+         "evaluation": "evaluate 40×128, block 8"}]))
     run = _run_folder(tmp_path / "run", sittings=[[(10, 3600.0)]], tau=2.0, method="dflash",
                       schedule={"total_steps": 30, "max_hours": 1.0})
     card_path = tmp_path / "card" / "README.md"
@@ -100,4 +105,4 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
     assert "cosine over 30 steps, a 1.0 h budget" in card
     assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
-    assert "| r0 | 9 | 1 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 2.10 | 2.10 |" in card
+    assert "| r0 | 9 | 1 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 40 | 2.10 | 2.10 | evaluate 40×128, block 8 |" in card
