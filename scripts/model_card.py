@@ -39,6 +39,10 @@ def stage(spec: str) -> dict:
             wall += prev
         prev = e["seconds"]
     wall += prev
+    # a --max-hours run sizes its schedule from its first steps and logs the size it chose
+    sized = [e["calibrated_total_steps"] for e in log if "calibrated_total_steps" in e]
+    if sized and cfg.get("schedule"):
+        cfg["schedule"]["total_steps"] = sized[-1]
     return {"cfg": cfg, "steps": steps[-1]["step"] if steps else 0, "wall": wall,
             "loss": steps[-1]["loss"] if steps else float("nan"), "tau": taus[-1]["eval_tau"] if taus else float("nan")}
 
@@ -106,7 +110,7 @@ def main():
         data_lines.append(f"- `{folder.name}`: {n} answers ({t} answer tokens) written by the target itself "
                           f"(`dflash regenerate`, temperature {manifest['temperature']}, up to "
                           f"{manifest['max_new_tokens']} new tokens) for the prompt sets "
-                          f"{', '.join(manifest['sources'])}.")
+                          f"{', '.join(Path(x).name if '/' in x else x for x in manifest['sources'])}.")
     if len(data_lines) > 1:
         data_lines.append(f"- In all {n_samples} answers ({n_tokens} answer tokens).")
     # the table without the final JSON line (results.json holds the same numbers)
@@ -151,6 +155,8 @@ def main():
         loss = (f"{c.get('ttt_steps') or c['block_size'] - 1} training-time-test steps" if eagle else
                 f"block size {c['block_size']}, gamma {c['gamma']:.2f}")
         schedule = c.get("schedule") or {}
+        measured = (f"{c.get('eval_prompts')} test prompts per set, {c.get('eval_max_new_tokens')} new tokens"
+                    if c.get("eval_datasets") else f"{c['eval_records']} held-out training answers")
         span = (f"cosine over {schedule['total_steps']} steps, a {schedule['max_hours']} h budget"
                 if schedule.get("max_hours") else
                 f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
@@ -158,10 +164,10 @@ def main():
             f"- Stage {i + 1}, from {start}: {loss}, "
             f"{c['num_anchors']} anchors per sequence, lr {c['lr']} ({span}), max length {c['max_length']}: "
             f"{s['steps']} optimizer steps, "
-            f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f}.")
+            f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f} ({measured}).")
     total = before_hours + sum(s["wall"] for s in stages) / 3600
     lines += [f"- In all {before_steps + sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
-              f"({first['dtype']} target, {first['threads']} threads, {first['device'] or 'cpu'}).", ""]
+              f"(target dtype {first['dtype']}, {first['threads']} threads, {first['device'] or 'cpu'}).", ""]
     if args.evaluate:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
         import shutil

@@ -29,7 +29,7 @@ def _inputs(tmp: Path) -> dict:
     data.mkdir()
     bench.mkdir()
     (data / "manifest.json").write_text(json.dumps(
-        {"settings": {"temperature": 0.0, "max_new_tokens": 32, "sources": ["gsm8k:train"]}}))
+        {"settings": {"temperature": 0.0, "max_new_tokens": 32, "sources": ["gsm8k:train", "/home/me/self-prompts"]}}))
     (data / "shard-00000.jsonl").write_text(
         json.dumps({"loss_mask": [0, 1, 1]}) + "\n" + json.dumps({"loss_mask": [0, 0, 1, 1, 1]}) + "\n")
     (bench / "table.txt").write_text("dflash bench: the header\ndataset method\n{\"json\": 1}\n")
@@ -49,10 +49,10 @@ def test_card_adds_up_sittings_and_stages(tmp_path):
     two = _run_folder(tmp_path / "two", sittings=[[(10, 1800.0)]], tau=1.9, lr=6e-4)
     card = _card("--train", f"{one}:20", "--train", two, "--data", paths["data"], "--bench", paths["bench"],
                  "--out", tmp_path / "card.md")
-    assert "2 answers (5 answer tokens)" in card
+    assert "2 answers (5 answer tokens)" in card and "prompt sets gsm8k:train, self-prompts." in card  # no local paths
     assert "Stage 1, from a fresh draft" in card and "20 optimizer steps, 0.33 h" in card
     assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h" in card
-    assert "held-out tau 1.90" in card and "In all 30 steps and 0.83 h of training" in card
+    assert "held-out tau 1.90 (1 held-out training answers)" in card and "In all 30 steps and 0.83 h of training" in card
     assert "dataset method" in card and '{"json"' not in card
 
 
@@ -97,7 +97,9 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
          "hours": 2.0, "steps": 40, "tau": {"gsm8k": 2.1}, "mean_tau": 2.1,
          "evaluation": "evaluate 40×128, block 8"}]))
     run = _run_folder(tmp_path / "run", sittings=[[(10, 3600.0)]], tau=2.0, method="dflash",
-                      schedule={"total_steps": 30, "max_hours": 1.0})
+                      schedule={"total_steps": 99, "max_hours": 1.0})
+    with open(tmp_path / "run" / "log.jsonl", "a") as f:  # the size a time budget chose, not the epochs' count
+        f.write(json.dumps({"step": 2, "calibrated_total_steps": 30, "seconds_per_step": 120.0}) + "\n")
     card_path = tmp_path / "card" / "README.md"
     card_path.parent.mkdir()
     card = _card("--train", run, "--data", paths["data"], "--data", packed, "--bench", paths["bench"],

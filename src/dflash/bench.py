@@ -253,7 +253,8 @@ def _check_methods(cfg: BenchConfig, draft, assistant, eagle) -> None:
                           "use --batch-size 1")
 
 
-def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None) -> dict:
+def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eagle=None, out_stream=None,
+              progress: bool = True) -> dict:
     from .generate import default_stop_token_ids
     from .fast import compile_seconds
     from .machine import hardware
@@ -272,8 +273,13 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
         ids, mask = left_pad([encode_prompt(tokenizer, first[0].messages, None, cfg.chat_template_kwargs)], pad)
         for fn in runners.values():
             fn(ids, mask, 0)
+    from tqdm.auto import tqdm
+
     results = {}
+    bar = tqdm(total=sum(map(len, sets.values())), unit="prompt", desc="bench", disable=not progress,
+               dynamic_ncols=True)
     for name, prompts in sets.items():
+        bar.set_postfix_str(name)
         speed = {m: [] for m in runners}
         ttft = {m: [] for m in runners}
         acc = {m: [] for m in runners}
@@ -296,6 +302,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
                 for m in mismatches:
                     mismatches[m] += _compare(target, name, m, chunk, ids, mask, runs["ar"].tokens,
                                               runs[m].tokens, cfg.runtime)
+            bar.update(len(chunk))
         med_ar = statistics.median(speed["ar"])
         entry = {"prompts": len(prompts), "ar_tokens_per_s": med_ar, "ar_tokens_per_s_per_prompt": speed["ar"],
                  "ar_ttft_ms": 1000 * statistics.median(ttft["ar"]), "methods": {},
@@ -315,6 +322,7 @@ def run_bench(cfg: BenchConfig, target, tokenizer, draft, *, assistant=None, eag
                 "ttft_ms": 1000 * statistics.median(ttft[m]), "mismatches": mismatches[m],
             }
         results[name] = entry
+    bar.close()
     every = [x for r in results.values() for v in r["methods"].values() for x in v["mismatches"]]
     report = {"config": asdict(cfg), "block_size": cfg.block_size or (draft.config.block_size if draft else None),
               "dtype": report_dtype(target), "threads": torch.get_num_threads(), "device": str(device),
