@@ -258,6 +258,16 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = DFlashMLP(config)
 
 
+def _init_weights(module: nn.Module, std: float) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
 class DFlashDraftModel(nn.Module):
     """Block-diffusion draft. Owns no embedding or LM head: `bind(target)` borrows the target's, frozen."""
 
@@ -358,12 +368,8 @@ class DFlashDraftModel(nn.Module):
             self.config.layer_types = [*self.config.layer_types, self.config.layer_types[-1]]
             self.config.num_hidden_layers = i + 1
             layer = DFlashDecoderLayer(self.config, i).to(device=ref.device, dtype=ref.dtype)
+            _init_weights(layer, std)
             with torch.no_grad():
-                for m in layer.modules():
-                    if isinstance(m, nn.Linear):
-                        nn.init.normal_(m.weight, std=std)
-                        if m.bias is not None:
-                            nn.init.zeros_(m.bias)
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
             self.layers.append(layer)
@@ -372,13 +378,7 @@ class DFlashDraftModel(nn.Module):
         return num_layers - have
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        _init_weights(self, std)
 
     def bind(self, target) -> "DFlashDraftModel":
         """Checks that this draft fits `target` and borrows its embedding and LM head."""
