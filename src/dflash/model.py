@@ -373,9 +373,7 @@ class DFlashDraftModel(nn.Module):
                 layer.self_attn.o_proj.weight.zero_()
                 layer.mlp.down_proj.weight.zero_()
             self.layers.append(layer)
-        self._head_cache = self._proposal_cache = None
-        self._compiled = None
-        return num_layers - have
+        return num_layers - have  # compiled() rebuilds on the new parameters; the head caches do not see layers
 
     def reset_parameters(self, std: float = 0.02) -> None:
         _init_weights(self, std)
