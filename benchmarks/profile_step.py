@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -46,11 +47,15 @@ def main():
                                                 add_generation_prompt=True, tokenize=True)["input_ids"]])
     spent = {"propose": 0.0, "context write": 0.0, "target forward": 0.0}
 
+    calls: dict[int, list[float]] = {}  # target forward times by the number of tokens in the call
+
     def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
             spent[name] += time.perf_counter() - t
+            if name == "target forward":
+                calls.setdefault(a[1].shape[1], []).append(time.perf_counter() - t)
             return out
         return wrapper
 
@@ -67,18 +72,27 @@ def main():
         run()  # warm-up
         for k in spent:
             spent[k] = 0.0
+        calls.clear()
         t = time.perf_counter()
         out = run()
         total = time.perf_counter() - t
         steps = out.num_steps + 1  # + the prefill
         per = {k: 1000 * v / steps for k, v in spent.items()}
         per["other"] = 1000 * total / steps - sum(per.values())
+        # a step's forward alone, the prompt pass left out: the median over the calls of each size
+        forward = {n: 1000 * statistics.median(ts) for n, ts in calls.items() if n != ids.shape[1]}
         report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": steps,
-                          "tau": round(out.tau, 3), "tokens_per_s": round(out.num_new_tokens[0] / total, 2)}
+                          "tau": round(out.tau, 3), "tokens_per_s": round(out.num_new_tokens[0] / total, 2),
+                          "forward_ms_by_tokens": {n: round(v, 2) for n, v in sorted(forward.items())}}
         rows.append(f"{method:7s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
                     f" {out.tau:6.2f} {out.num_new_tokens[0] / total:8.1f}")
     print(f"{'method':7s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) + f" {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
+    one = report["ar"]["forward_ms_by_tokens"].get(1)
+    for n, ms in report["dflash"]["forward_ms_by_tokens"].items():
+        if one and n > 1:
+            print(f"target forward of {n} tokens (median): {ms:.1f} ms = {ms / one:.2f}x one token's ({one:.1f} ms)")
+            report[f"verify_{n}_over_one"] = round(ms / one, 3)
     print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
                       "dtype": str(target.dtype).removeprefix("torch."),
                       "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))

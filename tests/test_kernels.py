@@ -328,11 +328,27 @@ def test_cache_attention_of_a_query_does_not_depend_on_anything_it_does_not_see(
     assert torch.equal(among[1, :, 2], alone[0, :, 0])
     # a row that sees none of its first 37 slots (it joined a batch whose other rows are longer): the kernel
     # starts where the row's keys start, with the same bits as if those slots were not there
-    lead = 37
-    k3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), k], 2)
-    v3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), v], 2)
-    vis3 = torch.cat([torch.zeros(1, 1, lead, dtype=torch.bool), visible], 2)
-    assert torch.equal(torch.ops.dflash_attn.cache_attention(q, k3, v3, vis3, 0.125), alone)
+    # (shifted by 1 to 16 slots and by 37), and with slots after its last that hold anything, NaN included (a
+    # cache's room past a row's end)
+    room = torch.full((1, 2, 3, d), float("nan")).bfloat16()
+    for lead in (37, *range(1, 17)):
+        k3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), k, room], 2)
+        v3 = torch.cat([torch.randn(1, 2, lead, d, generator=g).bfloat16(), v, room], 2)
+        vis3 = torch.cat([torch.zeros(1, 1, lead, dtype=torch.bool), visible, torch.zeros(1, 1, 3, dtype=torch.bool)],
+                         2)
+        assert torch.equal(torch.ops.dflash_attn.cache_attention(q, k3, v3, vis3, 0.125), alone), lead
+    # unseen slots between a query's keys (a candidate tree: a node sees its ancestors, not their siblings, which
+    # lie between them) change nothing: its keys spread out with 1-3 unseen slots after each, 20 ways (a sum that
+    # took each slot in a lane by its place, slot % 16, differs in about a third of them)
+    seen = visible[0, 0].nonzero()[:, 0]
+    for _ in range(20):
+        places = torch.cumsum(torch.randint(2, 5, (len(seen),), generator=g), 0) - 1
+        ks = torch.full((1, 2, int(places[-1]) + 1, d), float("nan"))
+        vs = ks.clone()
+        ks[:, :, places], vs[:, :, places] = k[:, :, seen].float(), v[:, :, seen].float()
+        vis4 = torch.zeros(1, 1, ks.shape[2], dtype=torch.bool)
+        vis4[0, 0, places] = True
+        assert torch.equal(torch.ops.dflash_attn.cache_attention(q, ks.bfloat16(), vs.bfloat16(), vis4, 0.125), alone)
 
 
 @needs_attention_kernel

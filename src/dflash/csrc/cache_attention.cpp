@@ -70,10 +70,11 @@ inline float exp_nonpositive(float x) {
   return x >= -87.0f ? p * two_n : 0.0f;
 }
 
-// 16 of them (the softmax's lanes)
-__attribute__((noinline)) void exp16(const float* __restrict x, float* __restrict y) {
+// The softmax weights of 16 slots: exp(s - m) for a row whose maximum score m is finite (an unseen slot's -inf
+// score weighs exactly 0). Not inlined: every slot of every row goes through these same instructions.
+__attribute__((noinline)) void exp16(const float* __restrict s, float m, float* __restrict y) {
 #pragma omp simd
-  for (int l = 0; l < kLanes; ++l) y[l] = exp_nonpositive(x[l]);
+  for (int l = 0; l < kLanes; ++l) y[l] = exp_nonpositive(s[l] - m);
 }
 
 // A cached row in fp32: an fp32 cache is read in place, a bf16 row is widened into `buf` (exactly)
@@ -101,28 +102,51 @@ inline __m256 dot8(const float* q, const float* const* key, int64_t d) {
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
 
+// x[i][l] -> x[l][i]
+inline void transpose8(__m256* x) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]), t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
 // Rows [r0, r1) of one key/value head of one batch row: row r = g * nq + i is query i of the g-th query head that
 // shares this key/value head. q, out: that head's rows [groups * nq, d]. D: the head size when it is a
 // compile-time constant (64, 128: a query's output block kept in registers), else 0 and `d`.
 template <typename KV, int D>
 void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, float* out, int64_t r0, int64_t r1,
                int64_t nq, int64_t T, int64_t d_runtime, int64_t k_stride, int64_t v_stride, float scale) {
-  const int64_t d = D ? D : d_runtime, R = r1 - r0, Tpad = (T + kLanes - 1) / kLanes * kLanes;
+  const int64_t d = D ? D : d_runtime, R = r1 - r0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // the slots any of these rows sees lie in [lo, hi): a row that joined a running batch, or a short row beside long
-  // ones, has many slots it never sees before its first; nothing below reads outside the span (every sum runs in
-  // slot order, and an unseen slot only ever added an exact 0), so the results are the same bits
+  // ones, has many slots it never sees before its first, and a cache has room past every row's end; nothing below
+  // reads outside the span (an unseen slot only ever added an exact 0), so the results are the same bits. Rows
+  // g * nq + i share query i's mask: each mask is scanned once, its tail a word at a time.
   int64_t lo = T, hi = 0;
-  for (int64_t r = r0; r < r1; ++r) {
+  for (int64_t r = r0; r < std::min(r1, r0 + nq); ++r) {
     const bool* row = visible + (r % nq) * T;
-    int64_t first = 0, end = T;
-    while (first < T && !row[first]) ++first;
+    const int64_t first = std::find(row, row + T, true) - row;
+    int64_t end = T;
+    for (uint64_t word = 0; end - 8 >= first; end -= 8) {
+      std::memcpy(&word, row + end - 8, 8);
+      if (word != 0) break;
+    }
     while (end > first && !row[end - 1]) --end;
     if (first < end) lo = std::min(lo, first), hi = std::max(hi, end);
   }
   if (lo >= hi) lo = hi = 0;
   lo -= lo % kLanes;  // blocks of 16 (and of 8) start where they did
-  std::vector<float> scores(R * Tpad, neg_inf), kbuf(8 * d), zeros(d, 0.0f), block(kLanes * d);
+  const int64_t S = (hi - lo + kLanes - 1) / kLanes * kLanes;  // the span, padded with -inf scores
+  std::vector<float> scores(R * S, neg_inf), kbuf(8 * d), zeros(d, 0.0f), block(kLanes * d);
   // scores, 8 keys at a time (each widened once for all the rows); a row skips the keys it sees none of
   for (int64_t j0 = lo; j0 < hi; j0 += 8) {
     const int64_t n = std::min<int64_t>(8, hi - j0);
@@ -136,24 +160,40 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
       const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(seen)));
       const __m256 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256()));
       const __m256 dots = _mm256_mul_ps(dot8(q + r * d, key, d), _mm256_set1_ps(scale));
-      _mm256_storeu_ps(scores.data() + (r - r0) * Tpad + j0, _mm256_blendv_ps(_mm256_set1_ps(neg_inf), dots, shown));
+      _mm256_storeu_ps(scores.data() + (r - r0) * S + (j0 - lo),
+                       _mm256_blendv_ps(_mm256_set1_ps(neg_inf), dots, shown));
     }
   }
-  // softmax weights; each row's sum runs over its keys in slot order (rows side by side)
-  std::vector<float> weights(R * Tpad), total(R, 0.0f);
+  // softmax weights (the maximum is exact in any order)
+  std::vector<float> weights(R * S, 0.0f), total(R, 0.0f);
   for (int64_t r = 0; r < R; ++r) {
-    const float* s = scores.data() + r * Tpad;
+    const float* s = scores.data() + r * S;
+    __m256 mv = _mm256_set1_ps(neg_inf);
+    for (int64_t j = 0; j < S; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
     float m = neg_inf;
-    for (int64_t j = lo; j < hi; ++j) m = s[j] > m ? s[j] : m;
-    float* w = weights.data() + r * Tpad;
-    for (int64_t j = lo; j < hi; j += kLanes) {
-      float shifted[kLanes];
-      for (int l = 0; l < kLanes; ++l) shifted[l] = m == neg_inf ? neg_inf : s[j + l] - m;
-      exp16(shifted, w + j);
-    }
+    for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+    if (m == neg_inf) continue;  // a row that sees nothing: weights 0, output 0
+    for (int64_t j = 0; j < S; j += kLanes) exp16(s + j, m, weights.data() + r * S + j);
   }
-  for (int64_t j = lo; j < hi; ++j)
-    for (int64_t r = 0; r < R; ++r) total[r] += weights[r * Tpad + j];
+  // each row's sum of weights runs over its slots one after the other, in slot order (so a key's place in the
+  // cache, and unseen slots between keys, as in a candidate tree, change nothing); 8 rows side by side, their
+  // weights transposed 8 slots at a time
+  for (int64_t r8 = 0; r8 < R; r8 += 8) {
+    const int64_t rows = std::min<int64_t>(8, R - r8);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < S; j += 8) {
+      __m256 x[8];
+      for (int64_t i = 0; i < 8; ++i)
+        x[i] = i < rows ? _mm256_loadu_ps(weights.data() + (r8 + i) * S + j) : _mm256_setzero_ps();
+      transpose8(x);
+      for (int i = 0; i < 8; ++i) sum = _mm256_add_ps(sum, x[i]);
+    }
+    float t[8];
+    _mm256_storeu_ps(t, sum);
+    for (int64_t i = 0; i < rows; ++i) total[r8 + i] = t[i];
+  }
   // weighted values, 16 keys at a time: each query's output block stays in registers over the 16 keys, and
   // every output element adds its terms in slot order
   std::vector<float> acc(R * d, 0.0f);
@@ -162,7 +202,7 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
     const float* value[kLanes];
     for (int64_t l = 0; l < n; ++l) value[l] = row_fp32(v + (j0 + l) * v_stride, block.data() + l * d, d);
     for (int64_t r = 0; r < R; ++r) {
-      const float* p = weights.data() + r * Tpad + j0;
+      const float* p = weights.data() + r * S + (j0 - lo);
       bool any = false;
       for (int64_t l = 0; l < n; ++l) any |= p[l] != 0.0f;
       if (!any) continue;
