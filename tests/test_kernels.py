@@ -392,3 +392,29 @@ def test_silu_mul_kernel_is_pytorchs_and_a_row_does_not_depend_on_the_batch():
     assert torch.equal(torch.cat([torch.ops.dflash_attn.silu_mul(gu[i].view(1, 800)) for i in range(9)]), y)
     with pytest.raises(RuntimeError, match="silu_mul: expected a bf16 CPU tensor"):
         torch.ops.dflash_attn.silu_mul(gu.float().view(9, 800))
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("auto", marks=needs_attention_kernel), "torch"])
+def test_argmax_answers_what_torch_argmax_answers(kernel, monkeypatch):
+    # ties (the first wins), -0 beside +0, NaN (above everything, the first one), rows of -inf, lengths that are
+    # not a multiple of 8 lanes, 1-D and 3-D inputs; with DFLASH_ATTENTION_KERNEL=torch, PyTorch's own argmax
+    monkeypatch.setenv("DFLASH_ATTENTION_KERNEL", kernel)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for V in (1, 7, 8, 9, 17, 1000):
+            for case in range(5):
+                x = torch.randn(6, V, generator=g).to(dtype)
+                if case == 1:
+                    x = x.round()
+                elif case == 2:
+                    x[:, ::3], x[:, 1::3] = -0.0, 0.0
+                    x = -x.abs()
+                elif case == 3:
+                    x[1, V // 2], x[2, -1], x[2, 0], x[3] = float("nan"), float("nan"), float("nan"), float("-inf")
+                elif case == 4:
+                    x[0], x[1, 0], x[1, -1] = float("-inf"), float("inf"), float("inf")
+                assert torch.equal(kernels.argmax(x), x.argmax(-1)), (dtype, V, case)
+    x = torch.randn(2, 3, 50, generator=g).bfloat16()
+    assert torch.equal(kernels.argmax(x), x.argmax(-1)) and torch.equal(kernels.argmax(x[0, 0]), x[0, 0].argmax(-1))
+    assert torch.equal(kernels.argmax(x[..., ::2]), x[..., ::2].argmax(-1))  # a strided view
+    assert torch.equal(kernels.argmax(torch.arange(5)), torch.tensor(4))  # integers: PyTorch's

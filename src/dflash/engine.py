@@ -24,6 +24,7 @@ from .ngram import NgramDraft
 from .compiled import built_graphs_only
 from .errors import DFlashInputError
 from .generate import default_stop_token_ids
+from .kernels import argmax
 from .machine import available_memory
 from .model import DFlashDraftModel
 from .sampling import SamplingParams, choose_tokens
@@ -239,7 +240,7 @@ class Scheduler:
 
 def _choose_per_row(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each row's own sampling settings: logits [L, ..., V] -> choices [L, ...]."""
-    choice = logits.argmax(-1)
+    choice = argmax(logits)
     for r, s in enumerate(seqs):
         if s is not None and not s.sampling.greedy:
             choice[r] = choose_tokens(logits[r], s.sampling, s.generator)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import DFlashInputError
+from .kernels import argmax
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """The target's choice at every position: argmax when greedy, else a sample. [..., V] -> [...]."""
     if params.greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     probs = processed_logits(logits, params).softmax(-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

@@ -20,6 +20,9 @@
 // ops on each of a few rows, more than the products around them), computed as HF's RMSNorm computes it: the
 // statistics in fp32 (16-lane partial sums in a fixed order, then a fixed tree), the normed row rounded to bf16,
 // then times the weight, rounded to bf16. Each row alone, whatever the others.
+//
+// And `argmax` of logits rows (fp32 or bf16), what torch.argmax(-1) answers (the first of equal maxima, -0 equal
+// to +0, a NaN above everything), where PyTorch's CPU argmax takes 1.7 ms for 8 bf16 rows of a 49k vocabulary.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -506,7 +509,75 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 
 }  // namespace
 
+// A value's bits as an int32 whose signed order is the values' order (-0 counted as +0, every NaN above +inf)
+inline __m256i order_key(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  b = _mm256_andnot_si256(_mm256_cmpeq_epi32(b, _mm256_set1_epi32(std::numeric_limits<int32_t>::min())), b);
+  const __m256i k = _mm256_xor_si256(b, _mm256_srli_epi32(_mm256_srai_epi32(b, 31), 1));  // negatives: flip 31 bits
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_epi8(k, _mm256_set1_epi32(std::numeric_limits<int32_t>::max()), _mm256_castps_si256(nan));
+}
+inline int32_t order_key(float v) {
+  if (v != v) return std::numeric_limits<int32_t>::max();
+  int32_t b = __builtin_bit_cast(int32_t, v == 0.0f ? 0.0f : v);
+  return b ^ static_cast<int32_t>(static_cast<uint32_t>(b >> 31) >> 1);
+}
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float value(float x) { return x; }
+inline float value(at::BFloat16 x) { return static_cast<float>(x); }
+
+// The first index of a row's largest key: per lane the first of its largest (a later slot must be strictly
+// larger), then across lanes the largest, the smallest index among equals, then the tail in order
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  int32_t best = std::numeric_limits<int32_t>::min();  // below every key: the first value is taken
+  int64_t at = 0, j = 0;
+  if (V >= 8) {
+    __m256i bk = _mm256_set1_epi32(best), bi = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (; j + 8 <= V; j += 8, idx = _mm256_add_epi32(idx, step)) {
+      const __m256i k = order_key(load8(x + j));
+      const __m256i gt = _mm256_cmpgt_epi32(k, bk);
+      bk = _mm256_blendv_epi8(bk, k, gt);
+      bi = _mm256_blendv_epi8(bi, idx, gt);
+    }
+    int32_t keys[8], index[8];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(keys), bk);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(index), bi);
+    at = index[0], best = keys[0];
+    for (int l = 1; l < 8; ++l)
+      if (keys[l] > best || (keys[l] == best && index[l] < at)) best = keys[l], at = index[l];
+  }
+  for (; j < V; ++j) {
+    const int32_t k = order_key(value(x[j]));
+    if (k > best) best = k, at = j;
+  }
+  return at;
+}
+
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.size(1) < std::numeric_limits<int32_t>::max() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "argmax: x must be a 2-D fp32 or bf16 tensor with a last dimension of 1 to 2^31 - 2, got ", x.sizes(),
+              " ", x.scalar_type());
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows = xc.size(0), V = xc.size(1);
+  at::Tensor out = at::empty({rows}, xc.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      op[r] = xc.scalar_type() == at::kFloat ? argmax_row(xc.data_ptr<float>() + r * V, V)
+                                              : argmax_row(xc.data_ptr<at::BFloat16>() + r * V, V);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(dflash_attn, m) {
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("cache_attention(Tensor q, Tensor k, Tensor v, Tensor visible, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
@@ -517,6 +588,7 @@ TORCH_LIBRARY(dflash_attn, m) {
 
 TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
   m.impl("cache_attention", &cache_attention);
+  m.impl("argmax", &argmax);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layers", &decoder_layers);
