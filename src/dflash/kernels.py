@@ -18,7 +18,7 @@ target verifies (the target's fast runtime has its own rule, see `dflash.fast`).
 It also holds the weight-only int8 / int4 weights that the fast runtime's quantised targets multiply by, and that
 the drafts score their proposals with where the CPU has no half kernels: PyTorch's CPU kernels, and for int4 on
 x86 CPUs with AVX-512 VNNI or AVX2 our own (`csrc/int4.cpp`, built on first use), whose cost grows slowly with the rows
-(see `Int4Weight`).
+(see `Int4Weight`). And `argmax` over logits rows, which PyTorch's CPU kernel does slowly in bf16.
 
 Packed, quantised and widened copies are cached per weight tensor and rebuilt when the weight changes in place (a training
 step) or is replaced; training itself (grad enabled) always takes `F.linear`.
