@@ -170,11 +170,21 @@ void half_tile(const int8_t* xq, const float* xscale, const float* xoff, const u
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + half * 8), fp32x8_to_bf16(acc[m]));
 }
 
-// Tiles [begin, end) for M rows, half-tile by half-tile
+// Tiles [begin, end) for M rows, half-tile by half-tile. More than 4 rows go in two passes over the half-tile's
+// slabs (the second from cache): a pass keeps its rows' sums in registers with the unpacked weights beside them,
+// where 8 rows spill (8 rows 7-9% faster here). Each row's arithmetic is the same either way.
 template <int M>
 void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                 int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
-  for (int64_t h = 2 * begin; h < 2 * end; ++h) half_tile<M>(xq, xscale, xoff, q, scales, K, N, h, y);
+  const int64_t groups = K / kGroup;
+  for (int64_t h = 2 * begin; h < 2 * end; ++h) {
+    if constexpr (M > 4) {
+      half_tile<4>(xq, xscale, xoff, q, scales, K, N, h, y);
+      half_tile<M - 4>(xq + 4 * K, xscale + 4 * groups, xoff + 4 * groups, q, scales, K, N, h, y + 4 * N);
+    } else {
+      half_tile<M>(xq, xscale, xoff, q, scales, K, N, h, y);
+    }
+  }
 }
 
 #else
