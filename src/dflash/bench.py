@@ -373,13 +373,14 @@ def format_table(report: dict) -> str:
             + (f", on {report['hardware']}" if report.get("hardware") else "")
             + (f"; torch.compile took {sum(report['compile_seconds'].values()):.0f} s (warm-up, not timed)"
                if report.get("compile_seconds") else ""))
-    cols = (f"{'dataset':12s} {'method':16s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'tok/s':>7s} "
+    w = max([len("method")] + [len(m) for r in report["datasets"].values() for m in r["methods"]])  # column width
+    cols = (f"{'dataset':12s} {'method':{w}s} {'prompts':>7s} {'tau':>6s} {'AR tok/s':>9s} {'tok/s':>7s} "
             f"{'speedup':>8s} {'med ratio':>9s} {'TTFT AR/method ms':>18s} {'mismatch':>8s}")
     rows = [head, cols, "-" * len(cols)]
     for name, r in report["datasets"].items():
         for m, x in r["methods"].items():
             tau = f"{x['tau']:6.2f}" if x["tau"] is not None else f"{'-':>6s}"
-            rows.append(f"{name:12s} {m:16s} {r['prompts']:7d} {tau} {r['ar_tokens_per_s']:9.1f} "
+            rows.append(f"{name:12s} {m:{w}s} {r['prompts']:7d} {tau} {r['ar_tokens_per_s']:9.1f} "
                         f"{x['tokens_per_s']:7.1f} {x['speedup_ratio_of_medians']:7.2f}x "
                         f"{x['speedup_median_of_ratios']:8.2f}x {r['ar_ttft_ms']:8.0f}/{x['ttft_ms']:<9.0f} "
                         f"{len(x['mismatches']):8d}")
@@ -387,10 +388,10 @@ def format_table(report: dict) -> str:
     if duels:
         peers = list(next(iter(next(iter(duels.values())).values())))
         rows += ["", "DFlash against the other methods: median over prompts of DFlash's tokens/s over the method's "
-                 "(> 1: DFlash is faster)", f"{'dataset':12s} {'':16s} " + " ".join(f"{p:>16s}" for p in peers)]
+                 "(> 1: DFlash is faster)", f"{'dataset':12s} {'':{w}s} " + " ".join(f"{p:>16s}" for p in peers)]
         for name, duel in duels.items():
             for o, ratios in duel.items():
-                rows.append(f"{name:12s} {o:16s} " + " ".join(f"{ratios[p]:15.2f}x" for p in peers))
+                rows.append(f"{name:12s} {o:{w}s} " + " ".join(f"{ratios[p]:15.2f}x" for p in peers))
     return "\n".join(rows)
 
 
