@@ -527,8 +527,6 @@ inline __m256 load8(const at::BFloat16* x) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline float value(float x) { return x; }
-inline float value(at::BFloat16 x) { return static_cast<float>(x); }
 
 // The first index of a row's largest key: per lane the first of its largest (a later slot must be strictly
 // larger), then across lanes the largest, the smallest index among equals, then the tail in order
@@ -553,7 +551,7 @@ int64_t argmax_row(const T* x, int64_t V) {
       if (keys[l] > best || (keys[l] == best && index[l] < at)) best = keys[l], at = index[l];
   }
   for (; j < V; ++j) {
-    const int32_t k = order_key(value(x[j]));
+    const int32_t k = order_key(static_cast<float>(x[j]));
     if (k > best) best = k, at = j;
   }
   return at;
