@@ -40,23 +40,33 @@ def run_row(arg: str) -> dict:
         c = res["config"]
         tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
         source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
-    return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"],
+    return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"], "kv": kv_heads(folder),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
 
 
+def kv_heads(folder: Path) -> int | str:
+    """The key/value heads of the run's draft, as its last saved draft (final, else the latest checkpoint) has
+    them ("" where neither is at hand)."""
+    latest = folder / "latest"
+    for draft in (folder / "final", folder / latest.read_text().strip() if latest.exists() else None):
+        if draft is not None and (draft / "config.json").exists():
+            return json.loads((draft / "config.json").read_text())["num_key_value_heads"]
+    return ""
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ",
+    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ",
             "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
-        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r["block"], r["gamma"], r["anchors"],
+        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r.get("kv", ""), r["block"], r["gamma"], r["anchors"],
                                                   r["start"], r["lr"], r["hours"], r["steps"], *taus, mean,
                                                   r.get("evaluation", "training log")])) + " |")
     return lines

@@ -7,11 +7,13 @@
 #
 # Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers;
 # r2 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights);
-# r6 128 anchors per sequence; r7 lr 1e-3; r8 half the loss from the target's own distribution (--distill).
+# r6 128 anchors per sequence; r7 lr 1e-3; r8 half the loss from the target's own distribution (--distill); r9 as
+# many key/value heads as attention heads (the target has 3 of 9, so each context position reaches a layer through
+# 192 of its 576 dimensions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r8}"
+ARM="${1:?name an arm: r0..r9}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
@@ -26,6 +28,7 @@ case "$ARM" in
     r6) EXTRA=(--num-anchors 128) ;;
     r7) EXTRA=(--lr 1e-3) ;;
     r8) EXTRA=(--distill 0.5) ;;
+    r9) EXTRA=(--num-kv-heads 9) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086

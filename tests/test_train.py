@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dflash import DFlashDraftModel, spec_generate
-from dflash.errors import DFlashError
+from dflash.errors import DFlashConfigError, DFlashError
 from dflash.model import DraftKVCache, layer_masks
 from dflash.dataset import read_dataset
 from dflash.regenerate import RegenerateConfig, regenerate
@@ -164,12 +164,17 @@ def test_packed_training_forward_equals_inference_forward():
     with torch.no_grad():
         packed = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors)
         for i, a in enumerate(anchors.tolist()):
-            cache = DraftKVCache(draft.config, 1, 32, "cpu", torch.float32)
-            cache.positions[0, :a] = torch.arange(a)
-            draft.write_context(feats[None, :a], cache, 0)
-            block = torch.tensor([[ids[a].item()] + [draft.config.mask_token_id] * 3])
-            hidden = draft(block, torch.arange(a, a + 4)[None], cache, torch.ones(1, a, dtype=torch.bool))
-            assert torch.allclose(packed[i], hidden[0], atol=1e-5), i
+            assert torch.allclose(packed[i], inference_block_hidden(draft, feats, ids, a), atol=1e-5), i
+
+
+def inference_block_hidden(draft, feats, ids, a: int) -> torch.Tensor:
+    """The generation-time draft's hidden states [B, H] for the block at anchor a, its context in a fresh cache."""
+    B = draft.config.block_size
+    cache = DraftKVCache(draft.config, 1, 32, "cpu", torch.float32)
+    cache.positions[0, :a] = torch.arange(a)
+    draft.write_context(feats[None, :a], cache, 0)
+    block = torch.tensor([[ids[a].item()] + [draft.config.mask_token_id] * (B - 1)])
+    return draft(block, torch.arange(a, a + B)[None], cache, torch.ones(1, a, dtype=torch.bool))[0]
 
 
 def test_draft_vocabulary_loss():
@@ -335,6 +340,49 @@ def test_a_draft_vocabulary_is_trained_saved_and_resumed(lang, tmp_path):
     assert set(spec_generate(target, draft, torch.tensor([[3, 5, 7]]), max_new_tokens=8)[0, 3:].tolist())
     cfg.max_steps, cfg.resume = 8, True
     train(cfg, target=target, tokenizer=tok, progress=False)  # picks up the checkpoint at step 6
+
+
+def test_a_fresh_draft_takes_its_own_number_of_key_value_heads(lang, tmp_path):
+    """--num-kv-heads widens what a draft layer reads from each context position; the draft saves, loads and
+    decodes losslessly with more key/value heads than its target has."""
+    target, tok, root = lang
+    assert target.config.num_key_value_heads == 2
+    train(cfg_for(root, tmp_path / "run", num_kv_heads=4, epochs=1, max_steps=3), target=target, tokenizer=tok,
+          progress=False)
+    draft = DFlashDraftModel.from_pretrained(tmp_path / "run" / "final", target=target)
+    assert draft.config.num_key_value_heads == 4
+    assert draft.layers[0].self_attn.k_proj.weight.shape[0] == 4 * draft.config.head_dim
+    prompt = torch.tensor([[3, 5, 7, 9]])
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(spec_generate(target, draft, prompt, max_new_tokens=12, stop_token_ids=[]), ref)
+    with pytest.raises(DFlashError, match="must be a multiple of num_key_value_heads \\(3\\)"):
+        train(cfg_for(root, tmp_path / "bad", num_kv_heads=3), target=target, tokenizer=tok, progress=False)
+    with pytest.raises(DFlashError, match="cannot widen 4 key/value heads to 2"):
+        train(cfg_for(root, tmp_path / "bad", num_kv_heads=2, init_draft=str(tmp_path / "run" / "final")),
+              target=target, tokenizer=tok, progress=False)
+
+
+def test_a_trained_draft_widens_its_key_value_heads_without_changing_a_proposal():
+    """widen_kv_heads copies each grouped head for its query heads: the packed training forward and the
+    generation-time forward (a cache with the new head count) give the hidden states of the draft before."""
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4)
+    for p in draft.parameters():  # no parameter may stay at an init that hides a head copied out of order
+        torch.nn.init.normal_(p, std=0.2) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
+    ids = torch.randint(3, 96, (14,), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, draft.config.target_layer_ids, ids)
+    anchors = torch.tensor([3, 8, 12])
+    with torch.no_grad():
+        ref = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors)
+        draft.widen_kv_heads(4)
+        assert draft.config.num_key_value_heads == 4
+        assert draft.layers[1].self_attn.v_proj.out_features == 4 * draft.config.head_dim
+        torch.testing.assert_close(DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors), ref,
+                                   rtol=0, atol=1e-5)
+        for i, a in enumerate(anchors.tolist()):
+            torch.testing.assert_close(inference_block_hidden(draft, feats, ids, a), ref[i], rtol=0, atol=1e-5)
+    with pytest.raises(DFlashConfigError, match="cannot widen 4 key/value heads to 3"):
+        draft.widen_kv_heads(3)
 
 
 def test_resume_is_exact_and_keeps_fp32_master_weights(lang, tmp_path):
@@ -678,7 +726,7 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     assert [r["depth"] for r in rows] == [1, 2] and all(r["steps"] == 6 for r in rows)
     assert all(set(r["tau"]) == {"held-out"} and r["mean_tau"] >= 1 and len(r["curve"]) == 2 for r in rows)
     out = capsys.readouterr().out
-    assert "| one | 44 | 1 | 8 |" in out and "held-out" in out.splitlines()[0]
+    assert "| one | 44 | 1 | 2 | 8 |" in out and "held-out" in out.splitlines()[0]  # the tiny target's 2 kv heads
     assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"
 
     # a run paired with a `dflash evaluate` of its draft takes τ from that evaluation instead of its log

@@ -305,8 +305,10 @@ class DFlashDraftModel(nn.Module):
     # ---- construction --------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, num_layers: int = 1, block_size: int = 16, target_layer_ids=None,
-                    mask_token_id: int | None = None, tokenizer=None, num_target_features: int | None = None):
-        """A fresh (untrained) draft sized for `target`, any Hugging Face causal LM."""
+                    mask_token_id: int | None = None, tokenizer=None, num_target_features: int | None = None,
+                    num_key_value_heads: int | None = None):
+        """A fresh (untrained) draft sized for `target`, any Hugging Face causal LM; its key/value heads are
+        the target's unless `num_key_value_heads` says otherwise."""
         tc = target.config.get_text_config()
         L = tc.num_hidden_layers
         if target_layer_ids is None:
@@ -318,7 +320,7 @@ class DFlashDraftModel(nn.Module):
         heads = tc.num_attention_heads
         config = DFlashConfig(
             hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            num_key_value_heads=num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             num_target_layers=L, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
             vocab_size=vocab, num_hidden_layers=num_layers, block_size=block_size,
@@ -374,6 +376,30 @@ class DFlashDraftModel(nn.Module):
                 layer.mlp.down_proj.weight.zero_()
             self.layers.append(layer)
         return num_layers - have  # compiled() rebuilds on the new parameters; the head caches do not see layers
+
+    def widen_kv_heads(self, num_kv_heads: int) -> None:
+        """Gives every layer `num_kv_heads` key/value heads, a multiple of what it has (and a divisor of its
+        attention heads), each a copy of the grouped head its query heads read today: every proposal is
+        unchanged until training lets the copies part. A trained GQA draft so gains the MHA draft's room."""
+        have, heads = self.config.num_key_value_heads, self.config.num_attention_heads
+        if num_kv_heads % have or heads % num_kv_heads:
+            raise DFlashConfigError(f"cannot widen {have} key/value heads to {num_kv_heads}: the new count must be "
+                                    f"a multiple of {have} and divide the {heads} attention heads")
+        copies = num_kv_heads // have
+        for layer in self.layers:
+            attn = layer.self_attn
+            for name in ("k_proj", "v_proj"):
+                old = getattr(attn, name)
+                new = Linear(old.in_features, num_kv_heads * attn.head_dim, bias=old.bias is not None)
+                new.to(device=old.weight.device, dtype=old.weight.dtype)
+                with torch.no_grad():  # query head h reads kv head h // (heads / kv heads): copy in that order
+                    new.weight.copy_(old.weight.view(have, attn.head_dim, -1).repeat_interleave(copies, 0)
+                                     .reshape(new.weight.shape))
+                    if old.bias is not None:
+                        new.bias.copy_(old.bias.view(have, -1).repeat_interleave(copies, 0).reshape(-1))
+                setattr(attn, name, new)
+            attn.num_kv_heads = num_kv_heads
+        self.config.num_key_value_heads = num_kv_heads
 
     def reset_parameters(self, std: float = 0.02) -> None:
         _init_weights(self, std)

@@ -42,6 +42,10 @@ class TrainConfig:
     init_from_target: bool = False  # fresh draft layers start as copies of the target's last layers
     draft_vocab_size: int | None = None  # proposals limited to this many most frequent answer tokens
     num_layers: int = 1
+    # key/value heads of a fresh draft's layers (default: the target's). A draft layer reads the target's
+    # context only through its values, so a target with few KV heads (SmolLM2-135M: 3 of 64 dims, a third of
+    # the hidden size) narrows what one draft layer can take from each context position
+    num_kv_heads: int | None = None
     block_size: int = 16
     target_layer_ids: list[int] | None = None
     num_target_features: int | None = None  # how many target layers to tap when ids are not given
@@ -375,6 +379,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         raise DFlashError("--distill learns from the target's logits, which " + (
             "the EAGLE-3-style trainer does not take" if cfg.method == "eagle3" else
             "cached features (--features) do not hold: train without --features"))
+    if cfg.num_kv_heads is not None and cfg.method != "dflash":
+        raise DFlashError(f"--num-kv-heads {cfg.num_kv_heads}: the {cfg.method} drafter keeps the target's heads")
     if target is None:
         device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         target, tokenizer = load_target(cfg.target, dtype=precision(cfg.dtype, device), device=device,
@@ -400,13 +406,20 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             print(f"dflash train: {cfg.init_draft} has block size {draft.config.block_size}; training with "
                   f"{cfg.block_size}", file=sys.stderr)
             draft.config.block_size = cfg.block_size
-        if cfg.num_layers > draft.config.num_hidden_layers:
-            if draft.config.draft_method != "dflash":
-                raise DFlashError(f"--num-layers {cfg.num_layers}: only a dflash draft grows layers")
+        deeper = cfg.num_layers > draft.config.num_hidden_layers
+        wider = cfg.num_kv_heads not in (None, draft.config.num_key_value_heads)
+        if (deeper or wider) and draft.config.draft_method != "dflash":
+            raise DFlashError("--num-layers / --num-kv-heads: only a dflash draft grows layers or heads")
+        if deeper:
             have = draft.config.num_hidden_layers
             draft.grow_layers(cfg.num_layers)
-            print(f"dflash train: grew {cfg.init_draft} from {have} to {cfg.num_layers} layers; the new ones start "
+            print(f"dflash train: {cfg.init_draft} grew from {have} to {cfg.num_layers} layers; the new ones start "
                   f"as the identity, so training starts from its proposals", file=sys.stderr)
+        if wider:
+            have = draft.config.num_key_value_heads
+            draft.widen_kv_heads(cfg.num_kv_heads)
+            print(f"dflash train: {cfg.init_draft} widened from {have} to {cfg.num_kv_heads} key/value heads, each a "
+                  f"copy of the one its query heads read, so training starts from its proposals", file=sys.stderr)
     elif cfg.method == "eagle3":
         torch.manual_seed(cfg.seed)
         draft = Eagle3DraftModel.from_target(target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
@@ -416,7 +429,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         torch.manual_seed(cfg.seed)
         draft = DFlashDraftModel.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                              target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-                                             tokenizer=tokenizer, num_target_features=cfg.num_target_features)
+                                             tokenizer=tokenizer, num_target_features=cfg.num_target_features,
+                                             num_key_value_heads=cfg.num_kv_heads)
         if cfg.init_from_target:
             n = target.config.get_text_config().num_hidden_layers
             draft.init_from_target_layers(target, list(range(n - cfg.num_layers, n)))
