@@ -146,3 +146,13 @@ def test_tie_check_tells_rounding_from_divergence(setup):
 
     stop = max(default_stop_token_ids(target), key=lambda t: float(logits[t]))
     assert _tie_check(target, prefix, top, None)[0] == pytest.approx(float(logits[top] - logits[stop]), abs=1e-4)
+
+
+def test_a_tree_method_is_also_measured_against_the_chain_it_would_replace():
+    from dflash.bench import head_to_head
+
+    speed = {"ar": [1.0, 1.0, 1.0], "dflash-adaptive": [1.0, 2.0, 3.0], "ngram": [1.0, 1.0, 4.0],
+             "dflash-tree-adaptive": [2.0, 2.0, 6.0]}
+    duel = head_to_head(speed)
+    assert duel["dflash-adaptive"] == {"ngram": 1.0}  # a chain method against the other methods only
+    assert duel["dflash-tree-adaptive"] == {"ngram": 2.0, "dflash-adaptive": 2.0}

@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -48,6 +49,9 @@ def test_generate_streams_text_and_prints_stats(tiny_gguf, setup):
     assert plain.stdout == spec.stdout  # greedy: the draft changes the speed, never the text
     fixed = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--fixed-width", env_home=home)
     assert fixed.returncode == 0 and "verify width" not in fixed.stderr and fixed.stdout == spec.stdout
+    tree = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--tree-budget", "auto", env_home=home)
+    assert tree.returncode == 0 and tree.stdout == spec.stdout
+    assert re.search(r"steps per check plain \d+", tree.stderr), tree.stderr
 
 
 def test_sampling_options_and_seed(tiny_gguf, setup):

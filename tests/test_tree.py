@@ -1,6 +1,9 @@
 """Candidate trees (dflash.tree): the most probable paths through the draft's slot distributions and the text's
 n-gram continuation, verified in one forward; the output stays the target's own greedy text."""
 
+import collections
+import random
+
 import pytest
 import torch
 
@@ -108,17 +111,41 @@ def test_trees_are_bitwise_plain_decoding_in_the_int4_runtime():
 
 
 def test_the_budget_controller_grows_trees_where_verifying_is_cheap_and_shrinks_them_where_dear():
-    from dflash.adaptive import TreeBudgetController
+    from dflash.adaptive import PLAIN, TREE, TreeBudgetController
 
     def run(seconds_per_token, steps=300, rows=4):
-        ctrl = TreeBudgetController(8)
+        ctrl = TreeBudgetController(8, ngram_sizes=[])
         for _ in range(steps):
-            b = ctrl.choose(rows)
-            gain = {0: 0, 2: 0.5, 4: 0.8, 8: 1.0, 16: 1.6, 32: 2.0}[b]  # bigger trees find a little more
-            ctrl.observe([gain] * rows, b, 0.02 + seconds_per_token * rows * (b + 1))
-        return max(ctrl.budget_counts, key=ctrl.budget_counts.get)
-    assert run(0.0) == 32  # verifying is free: the biggest tree
-    assert run(0.01) == 0  # every verified token costs half a plain step: plain decoding
+            o = ctrl.choose(rows)
+            gain = {0: 0, 2: 0.5, 4: 0.8, 8: 1.0, 16: 1.6, 32: 2.0}[o[1]]  # bigger trees find a little more
+            ctrl.observe([gain] * rows, o, 0.02 + seconds_per_token * rows * (o[1] + 1))
+        return max(ctrl.counts, key=ctrl.counts.get)
+    assert run(0.0) == (TREE, 32)  # verifying is free: the biggest tree
+    assert run(0.01) == (PLAIN, 0)  # every verified token costs half a plain step: plain decoding
+
+
+def test_the_budget_controller_checks_the_texts_continuation_where_the_match_is_long():
+    """Where the draft does not pay for its forward but the text repeats, a long n-gram match is worth a chain
+    of its continuation and a short one (or none) is not: the choice follows the match, step by step."""
+    from dflash.adaptive import NGRAM as CHAIN, PLAIN, TREE, TreeBudgetController
+
+    rng = random.Random(0)
+    ctrl = TreeBudgetController(8)
+    chosen = {}
+    for _ in range(3000):
+        match = rng.choice([0, 1, 6])
+        o = ctrl.choose(1, [match])
+        chosen.setdefault(match, []).append(o)
+        w = o[1] + 1
+        # a chain after a 6-token match is right 3 tokens deep, after a 1-token one never; the draft adds
+        # little; verifying w tokens costs 0.6 + 0.1 w plain steps' worth, and the draft's forward 0.5 more
+        accepted = (min(3, o[1]) if match == 6 else 0) if o[0] == CHAIN else (0.2 if o[0] == TREE else 0)
+        ctrl.observe([accepted], o, 0.01 * (0.6 + 0.1 * w + 0.5 * (o[0] == TREE)), [match])
+    late = {m: collections.Counter(c[-300:]) for m, c in chosen.items()}
+    assert late[0].most_common(1)[0][0] == (PLAIN, 0)
+    assert late[1].most_common(1)[0][0] == (PLAIN, 0)
+    assert late[6].most_common(1)[0][0] == (CHAIN, 3)
+    assert (CHAIN, 1) not in late[0]  # nothing found: no chain to check
 
 
 def test_an_adaptive_tree_keeps_greedy_output():
@@ -129,3 +156,31 @@ def test_an_adaptive_tree_keeps_greedy_output():
     out = spec_generate(target, SecondChoiceOracle(base, futures_for(ids, mask, refs), seed=2), ids, mask,
                         max_new_tokens=MAX_NEW, stop_token_ids=[], tree_budget="auto", return_stats=True)
     assert new_tokens(out, ids, out.num_new_tokens) == refs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_every_step_option_of_an_adaptive_run_keeps_greedy_output(arch, monkeypatch):
+    """Plain steps, n-gram chains of every size (no draft forward, the draft cache catching up afterwards)
+    and trees, mixed in one run of ragged rows: the output is still the target's greedy text, and n-gram chains
+    did get tokens accepted (a random target over 12 tokens repeats itself)."""
+    from dflash.adaptive import NGRAM as CHAIN, TreeBudgetController
+
+    target = tiny_target(arch, seed=1, vocab=12)
+    ids, mask = ragged_batch([3, 11, 6, 9], vocab=12, seed=4)
+    refs = references(target, ids, mask, MAX_NEW)
+    base = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    options = TreeBudgetController(4).options
+    assert {k for k, _ in options} == {"plain", CHAIN, "tree"}
+    turn = iter(range(10 ** 6))
+
+    def cycle(self, rows, matches=None):
+        o = options[next(turn) % len(options)]
+        self.counts[o] += 1
+        return o if o[0] != CHAIN or any(matches) else ("plain", 0)
+    monkeypatch.setattr(TreeBudgetController, "choose", cycle)
+    out = spec_generate(target, SecondChoiceOracle(base, futures_for(ids, mask, refs), seed=2), ids, mask,
+                        max_new_tokens=MAX_NEW, stop_token_ids=[], tree_budget="auto", return_stats=True)
+    assert new_tokens(out, ids, out.num_new_tokens) == refs
+    assert any(acc > 0 and rank == -1 and source == NGRAM for acc, rank, source in out.tree_paths)
+    assert set(out.step_choices) == {"plain", "ngram-1", "ngram-3", "tree-2", "tree-4", "tree-8", "tree-16"}
+    assert sum(out.step_choices.values()) == out.num_steps

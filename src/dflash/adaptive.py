@@ -39,13 +39,16 @@ class WidthController:
         self.probed_from: int | None = None  # the width chosen before the last probe widened it
         self.reached = [0.0] * block_size  # index k: slot k verified after 1..k-1 hit
         self.hit = [0.0] * block_size
-        self.cost: dict[tuple[int, int], list[float]] = {}  # (rows, width) -> [EMA seconds, weight]
+        # (rows, width, the draft ran) -> [EMA seconds, weight]
+        self.cost: dict[tuple[int, int, bool], list[float]] = {}
         self.last = None
         self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
 
     # ---- what was measured -----------------------------------------------------------------------------
-    def observe(self, accepted: list[int], width: int, tokens: int, seconds: float) -> None:
-        """One step: accepted drafts per row (0..width-1), its width, the tokens it verified, its seconds."""
+    def observe(self, accepted: list[int], width: int, tokens: int, seconds: float,
+                drafted: bool | None = None) -> None:
+        """One step: accepted drafts per row (0..width-1), its width, the tokens it verified, its seconds, and
+        whether the draft ran (default: width > 1; proposals looked up in the text cost no draft forward)."""
         # rows with at least m drafts accepted, m = 0..B
         at_least = [0] * (self.B + 1)
         for a in accepted:
@@ -57,7 +60,8 @@ class WidthController:
             self.hit[k] = self.hit[k] * self.decay + (at_least[k] if k >= 1 else 0)
         for entry in self.cost.values():
             entry[1] *= self.decay
-        entry = self.cost.setdefault((tokens // width, width), [seconds, 0.0])
+        entry = self.cost.setdefault((tokens // width, width, width > 1 if drafted is None else drafted),
+                                     [seconds, 0.0])
         entry[0] += 0.3 * (seconds - entry[0])
         entry[1] += 1.0
 
@@ -80,7 +84,7 @@ class WidthController:
         """(a, b, c) of seconds = a + b x tokens + c x (drafts were made), weighted least squares over the
         measured step shapes: c is the draft's own forward, which a plain step skips (0 until the measured
         shapes can tell it from the verify cost). None: fewer than two token counts measured yet."""
-        rows = [(1.0, float(r * w), float(w > 1), v[0], max(v[1], 1e-6)) for (r, w), v in self.cost.items()]
+        rows = [(1.0, float(r * w), float(d), v[0], max(v[1], 1e-6)) for (r, w, d), v in self.cost.items()]
         if len({x[1] for x in rows}) < 2:
             return None
         coef = _weighted_least_squares([x[:3] for x in rows], [x[3] for x in rows], [x[4] for x in rows])
@@ -90,10 +94,10 @@ class WidthController:
         # noise must not make a wider block, or drafting, look cheaper than plain decoding
         return max(a, 1e-9), max(b, 0.0), max(c, 0.0)
 
-    def _measured(self, rows: int, width: int) -> float | None:
+    def _measured(self, rows: int, width: int, drafted: bool | None = None) -> float | None:
         """Seconds of a step of this shape, if measured recently enough to trust (its weight decays, so an
         old measurement gives way to the fit, and the choice it makes measures the shape again)."""
-        entry = self.cost.get((rows, width))
+        entry = self.cost.get((rows, width, width > 1 if drafted is None else drafted))
         return entry[0] if entry is not None and entry[1] >= 0.25 else None
 
     # ---- the choice -------------------------------------------------------------------------------------
@@ -150,61 +154,109 @@ def _weighted_least_squares(x: list[tuple[float, ...]], y: list[float], w: list[
     return [a[r][n] / a[r][r] for r in range(n)]
 
 
-class TreeBudgetController:
-    """Adaptive candidate trees (dflash.tree): how many draft nodes a step's tree is worth, 0 being a plain
-    decoding step. Each budget's payoff is measured as it is used (a decaying average of the drafts a row gets
-    accepted), its cost by WidthController's model of a step's seconds from the tokens it verifies (rows x
-    nodes), so trees stay small where verifying is dear (a CPU, many rows) and grow where it is cheap. The next
-    larger budget is tried now and then, less often while it does not pay."""
+PLAIN, NGRAM, TREE = "plain", "ngram", "tree"
 
-    def __init__(self, block_size: int, budgets: list[int] | None = None, *, prior_accepted: float = 0.5,
-                 prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16, max_probe_every: int = 256):
+
+class TreeBudgetController:
+    """Adaptive candidate trees (dflash.tree): what each step verifies. The options: a plain step; the text's
+    n-gram continuation alone, as a chain of up to `size` tokens (no draft forward: the lookup is free); or a
+    tree of `size` draft nodes (plus the n-gram branch). Each option's payoff is measured as it is used (a
+    decaying average of the drafts a row gets accepted), separately for each length of the n-gram match the row
+    had (a long match goes on far more often than a one-token one, so the same step is worth checking after
+    one and not after the other), and its cost by WidthController's model of a step's seconds from the tokens
+    it verifies and whether the draft ran. So trees stay small where verifying is dear (a CPU, many rows) and
+    grow where it is cheap, and where the draft does not pay its own forward the text's repeats still can.
+    The next larger option is tried now and then, less often while it does not pay."""
+
+    MATCH_BUCKETS = (0, 1, 2, 4, 6)  # n-gram match lengths told apart: none, 1, 2-3, 4-5, 6+
+
+    def __init__(self, block_size: int, budgets: list[int] | None = None, ngram_sizes: list[int] | None = None, *,
+                 prior_accepted: float = 0.5, prior_weight: float = 2.0, decay: float = 0.95, probe_every: int = 16,
+                 max_probe_every: int = 256):
         # small trees too: on a CPU each node costs about a token's verify, and the n-gram branch (added to
         # any tree) alone already pays where the text repeats
-        self.budgets = sorted(set(budgets or [0, 2, 4, block_size, 2 * block_size, 4 * block_size]))
+        budgets = sorted(set(budgets or [2, 4, block_size, 2 * block_size, 4 * block_size]) - {0})
+        ngram = sorted(set([1, 3, block_size - 1] if ngram_sizes is None else ngram_sizes))
+        # cheapest first, which is the order probes widen in
+        self.options = [(PLAIN, 0)] + [(NGRAM, k) for k in ngram if 0 < k < block_size] + [(TREE, b) for b in budgets]
         self.cost = WidthController(block_size, decay=0.98)
-        self.gain = {b: [prior_accepted, prior_weight] for b in self.budgets if b > 0}  # [mean accepted, weight]
+        # [mean accepted, weight] per option and match bucket
+        self.gain = {(o, m): [prior_accepted, prior_weight] for o in self.options[1:] for m in self.MATCH_BUCKETS}
         self.decay = decay
         self.probe_every = self.base_probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.since_probe = 0
-        self.probing: int | None = None  # the budget a probe widened from
-        self.budget_counts = {b: 0 for b in self.budgets}
+        self.probing: tuple[str, int] | None = None  # the option a probe widened from
+        self.last: tuple[str, int] | None = None
+        self.counts = {o: 0 for o in self.options}
 
-    def expected_accepted(self, budget: int) -> float:
-        return 0.0 if budget == 0 else self.gain[budget][0]
+    @property
+    def largest_tree(self) -> int:
+        return max(size for kind, size in self.options if kind == TREE)
 
-    def choose(self, rows: int) -> int:
+    def choice_counts(self) -> dict[str, int]:
+        """Steps per option chosen so far, named as in stats lines ("plain", "ngram-3", "tree-8")."""
+        return {kind if kind == PLAIN else f"{kind}-{size}": n for (kind, size), n in self.counts.items() if n}
+
+    @classmethod
+    def bucket(cls, match: int) -> int:
+        return max(b for b in cls.MATCH_BUCKETS if b <= match)
+
+    def expected_accepted(self, option: tuple[str, int], match: int) -> float:
+        if option[0] == PLAIN or (option[0] == NGRAM and match == 0):  # nothing to propose
+            return 0.0
+        return self.gain[option, self.bucket(match)][0]
+
+    @staticmethod
+    def width(option: tuple[str, int]) -> int:
+        return option[1] + 1  # the anchor and the proposals (a tree's nodes are keyed by its budget)
+
+    def choose(self, rows: int, matches: list[int] | None = None) -> tuple[str, int]:
+        """The option for the next step of `rows` rows, whose n-gram matches are `matches` long (None: no
+        lookup, so no n-gram chains)."""
+        matches = [0] * rows if matches is None else matches
+        options = self.options if any(matches) else [o for o in self.options if o[0] != NGRAM]
         fit = self.cost.step_seconds()
         if fit is None:  # price two sizes first: a small tree, then a plain step
-            b = self.budgets[1] if self.cost.last != self.budgets[1] else 0
+            small = next(o for o in self.options if o[0] == TREE)
+            choice = small if self.last != small else (PLAIN, 0)
         else:
             a, slope, drafted = fit
-            rate = {b: rows * (1 + self.expected_accepted(b)) /
-                    (self.cost._measured(rows, b + 1) or a + slope * rows * (b + 1) + drafted * (b > 0))
-                    for b in self.budgets}
-            b = max(rate, key=rate.get)
+
+            def rate(o):
+                w, d = self.width(o), o[0] == TREE
+                seconds = self.cost._measured(rows, w, d) or a + slope * rows * w + drafted * d
+                return sum(1 + self.expected_accepted(o, m) for m in matches) / seconds
+
+            choice = max(options, key=rate)
             if self.probing is not None:
-                grew = b > self.probing
+                grew = self.options.index(choice) > self.options.index(self.probing)
                 self.probe_every = self.base_probe_every if grew else min(2 * self.probe_every, self.max_probe_every)
                 self.probing = None
             self.since_probe += 1
-            bigger = [x for x in self.budgets if x > b]
+            bigger = [o for o in options if self.options.index(o) > self.options.index(choice)]
             if bigger and self.since_probe >= self.probe_every:
-                self.probing, b = b, bigger[0]
+                self.probing, choice = choice, bigger[0]
                 self.since_probe = 0
-        self.cost.last = b
-        self.budget_counts[b] += 1
-        return b
+        self.last = choice
+        self.counts[choice] += 1
+        return choice
 
-    def observe(self, accepted: list[int], budget: int, seconds: float) -> None:
-        """One step: accepted drafts per row, the budget it ran (its tree: the anchor and `budget` draft nodes)
-        and its seconds."""
+    def observe(self, accepted: list[int], option: tuple[str, int], seconds: float, matches: list[int] | None = None,
+                width: int | None = None) -> None:
+        """One step: accepted drafts per row, the option it ran, its seconds, the rows' n-gram match lengths and
+        the width it verified (an n-gram chain is as wide as its longest proposal; default: the option's)."""
         rows = len(accepted)
-        self.cost.observe([0] * rows, budget + 1, rows * (budget + 1), seconds)
-        if budget > 0 and rows:
-            g = self.gain[budget]
+        w = self.width(option) if width is None else width
+        self.cost.observe([0] * rows, w, rows * w, seconds, drafted=option[0] == TREE)
+        if option[0] == PLAIN:
+            return
+        by_bucket: dict[int, list[int]] = {}
+        for a, m in zip(accepted, [0] * rows if matches is None else matches):
+            if option[0] != NGRAM or m > 0:  # a row with nothing proposed took a plain step
+                by_bucket.setdefault(self.bucket(m), []).append(a)
+        for m, got in by_bucket.items():  # one decay per step, whatever the rows
+            g = self.gain[option, m]
             g[1] *= self.decay
-            mean = sum(accepted) / rows
-            g[0] += (mean - g[0]) * rows / (g[1] + rows)
-            g[1] += rows
+            g[0] += (sum(got) / len(got) - g[0]) * len(got) / (g[1] + len(got))
+            g[1] += len(got)

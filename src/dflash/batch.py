@@ -98,7 +98,8 @@ class SpecBatch:
         return logits[:, -1]
 
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
-             histories: list[list[int]] | None = None, width: int | None = None, tree: "TreeSpec | None" = None):
+             histories: list[list[int]] | None = None, width: int | None = None, tree: "TreeSpec | None" = None,
+             proposals: list[list[int]] | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
         forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q].
 
@@ -110,21 +111,24 @@ class SpecBatch:
         (1 = a plain decoding step; the draft cache still receives the target's features).
         tree: verify a candidate tree instead of the argmax chain (a DFlash draft, greedy choices; see dflash.tree):
         the same contract, choice[:, :accepted+1] being the accepted path's tokens and the target's one after.
+        proposals: verify these tokens per row (an n-gram continuation, at most width - 1 each) instead of the
+        draft's, without running the draft: its cache gets the target's features later, as after a plain step.
         """
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
         # fresh row-major strides whatever the width (a one-row slice counts as contiguous with its parent's
         # strides): a compiled step's graph is specific to its inputs' stride pattern
         block_pos = block_pos[:, :width].clone(memory_format=torch.contiguous_format)
-        if self.draft is not None and (width > 1 or self.eagle is not None):
+        if self.draft is not None and proposals is None and (width > 1 or self.eagle is not None):
             # pending target features go into the draft cache before the draft reads it; plain steps leave
             # them pending and `commit` appends theirs, so a run of plain steps writes its context in one go
             # (a chain drafter's entries need the token after each, so it writes every step)
             self.flush(anchor[:, 0])
         if width == 1:
             verify_ids = anchor
-        elif self.ngram is not None:
-            found = [self.ngram.propose(h, width - 1) for h in histories]
+        elif self.ngram is not None or proposals is not None:
+            found = ([p[:width - 1] for p in proposals] if proposals is not None else
+                     [self.ngram.propose(h, width - 1) for h in histories])
             q = 1 + max(map(len, found))
             # a short proposal is padded with its row's anchor: a pad the target happens to choose is still
             # the target's own token, so acceptance stays exact

@@ -221,11 +221,18 @@ def median_ratio(num: list[float], den: list[float]) -> float:
 
 
 def head_to_head(speed: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    """DFlash against every other speculative method run beside it: per DFlash method and peer, the median
-    over prompts of DFlash's tokens/s over the peer's on the same prompt (> 1: DFlash is faster). Taken per
-    prompt, so the machine's drift between prompts cancels, as in the speed-up over AR."""
-    peers = [m for m in speed if m != "ar" and m not in DFLASH_METHODS]
-    return {o: {p: median_ratio(speed[o], speed[p]) for p in peers} for o in DFLASH_METHODS if o in speed and peers}
+    """DFlash against every other speculative method run beside it, and a tree method also against the chain
+    DFlash methods it would replace: per DFlash method and peer, the median over prompts of DFlash's tokens/s
+    over the peer's on the same prompt (> 1: DFlash is faster). Taken per prompt, so the machine's drift
+    between prompts cancels, as in the speed-up over AR."""
+    others = [m for m in speed if m != "ar" and m not in DFLASH_METHODS]
+    chains = [m for m in ("dflash", "dflash-adaptive") if m in speed]
+    duels = {}
+    for o in DFLASH_METHODS:
+        peers = others + (chains if o.startswith("dflash-tree") else [])
+        if o in speed and peers:
+            duels[o] = {p: median_ratio(speed[o], speed[p]) for p in peers}
+    return duels
 
 
 def early_exit_layer(cfg: BenchConfig, target) -> int:
@@ -386,12 +393,13 @@ def format_table(report: dict) -> str:
                         f"{len(x['mismatches']):8d}")
     duels = {name: r["head_to_head"] for name, r in report["datasets"].items() if r.get("head_to_head")}
     if duels:
-        peers = list(next(iter(next(iter(duels.values())).values())))
+        peers = list(dict.fromkeys(p for duel in duels.values() for ratios in duel.values() for p in ratios))
         rows += ["", "DFlash against the other methods: median over prompts of DFlash's tokens/s over the method's "
                  "(> 1: DFlash is faster)", f"{'dataset':12s} {'':{w}s} " + " ".join(f"{p:>16s}" for p in peers)]
         for name, duel in duels.items():
             for o, ratios in duel.items():
-                rows.append(f"{name:12s} {o:{w}s} " + " ".join(f"{ratios[p]:15.2f}x" for p in peers))
+                rows.append(f"{name:12s} {o:{w}s} " + " ".join(f"{ratios[p]:15.2f}x" if p in ratios else f"{'-':>16s}"
+                                                               for p in peers))
     return "\n".join(rows)
 
 

@@ -70,7 +70,8 @@ def _model_options() -> argparse.ArgumentParser:
     _width_option(p)
     p.add_argument("--tree-budget", default=None, type=_tree_budget,
                    help="verify candidate trees of N draft nodes (the draft's most probable paths and the text's "
-                   "n-gram continuation) instead of one block, greedy only; auto = as many as pay, step by step")
+                   "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain step, the "
+                   "n-gram continuation alone, or a tree")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
                     "width), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
-                    "dflash-tree-adaptive (trees as big as pay for themselves, step by step; both greedy only), "
+                    "dflash-tree-adaptive (step by step what pays: a plain step, the n-gram continuation alone or a tree; both "
+                    "greedy only), "
                     "eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
                     "ngram (prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, "
                     "hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
@@ -228,7 +230,7 @@ def _serve_options(p) -> None:
                    help="tokens verified per step over the batch: blocks narrow as more sequences run")
     p.add_argument("--tree-budget", default=None, type=_tree_budget,
                    help="candidate trees of N draft nodes per row for steps whose rows all decode greedily (auto = "
-                   "as many as pay, step by step); None = blocks")
+                   "step by step what pays: a plain step, the n-gram continuations alone or trees); None = blocks")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--kv-cache-memory", type=_float_in(0, 1e6, lo_open=True), default=None,
                    help="GiB the KV caches may take; requests wait for room, and one that can never fit gets a 400 "
@@ -248,6 +250,7 @@ _TRAIN_HELP = {
     "init_draft": "start from this draft instead of a fresh one (a --num-layers above its depth appends layers that start as the identity)",
     "init_from_target": "start the draft layers as copies of the target's last layers",
     "draft_vocab_size": "limit proposals to the N most frequent answer tokens (cheaper draft LM head)", "num_layers": "draft decoder layers",
+    "num_kv_heads": "key/value heads of a fresh draft's layers, dividing the attention heads (default: the target's)",
     "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",
     "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",
@@ -417,6 +420,8 @@ def stats_line(result) -> str:
     draft = f"τ={result.tau:.2f}, acceptance {result.acceptance_histogram}" if result.block_size > 1 else "no draft"
     if result.width_counts:
         draft += f", steps per verify width {result.width_counts[1:]}"
+    if result.step_choices:
+        draft += ", steps per check " + ", ".join(f"{k} {n}" for k, n in result.step_choices.items())
     return (f"[dflash] {n} new tokens in {result.total_time:.2f}s, {result.tokens_per_second:.1f} tok/s, "
             f"{draft}, steps={result.num_steps}, ttft={result.time_to_first_token * 1000:.0f} ms, "
             f"runtime {result.runtime}")

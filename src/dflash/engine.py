@@ -18,7 +18,7 @@ from enum import Enum
 
 import torch
 
-from .adaptive import TreeBudgetController, WidthController
+from .adaptive import NGRAM, TREE, TreeBudgetController, WidthController
 from .batch import SpecBatch, TreeSpec
 from .ngram import NgramDraft
 from .compiled import built_graphs_only
@@ -267,10 +267,11 @@ class ModelRunner:
         self.tree_budget = tree_budget if draft is not None and draft.config.draft_method == "dflash" else None
         self.tree_topk = tree_topk
         self.budgets = TreeBudgetController(self.B) if self.tree_budget == "auto" else None
-        most = (max(self.budgets.budgets) if self.budgets else self.tree_budget) if self.tree_budget else 0
+        most = (self.budgets.largest_tree if self.budgets else self.tree_budget) if self.tree_budget else 0
         # a tree's nodes at the end, and the spare slot of SpecBatch.make_room
         self.max_capacity = max_model_len + self.B + (most + self.B if most else 0) + 1
-        self.lookup = NgramDraft(num_tokens=self.B - 1) if self.tree_budget is not None else None
+        self.lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=TreeBudgetController.MATCH_BUCKETS[-1]) \
+            if self.tree_budget is not None else None
         self.device = next(target.parameters()).device
         self.runtime = runtime
         self.max_verify_tokens = max_verify_tokens
@@ -341,18 +342,21 @@ class ModelRunner:
         elif adaptive:
             width = self.widths.choose(len(self.rows), width)
         self.last_width = width
-        spec, budget = None, None
+        spec, option, found, proposals = None, None, None, None
         if self.tree_budget is not None and not self.width_plan and all(s.sampling.greedy for s in live):
-            budget = self.budgets.choose(len(self.rows)) if self.budgets is not None else self.tree_budget
-            if budget > 0:
-                spec = TreeSpec(budget, self.tree_topk, [[] if s is None else
-                                                         self.lookup.propose(s.prompt_ids + s.output_ids, self.B - 1)
-                                                         for s in self.rows])
-                width, adaptive = self.B, False
+            found = [(0, []) if s is None else self.lookup.match(s.prompt_ids + s.output_ids) for s in self.rows]
+            option = (self.budgets.choose(len(self.rows), [n for n, _ in found]) if self.budgets is not None
+                      else (TREE, self.tree_budget))
+            adaptive = False
+            if option[0] == TREE:
+                spec, width = TreeSpec(option[1], self.tree_topk, [c for _, c in found]), self.B
+            elif option[0] == NGRAM:  # the text's continuations alone: no draft forward
+                proposals, width = [c for _, c in found], option[1] + 1
             else:
-                width, adaptive = 1, False  # a plain step
+                width = 1  # a plain step
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
-                                           lambda logits: _choose_per_row(logits, self.rows), width=width, tree=spec)
+                                           lambda logits: _choose_per_row(logits, self.rows), width=width, tree=spec,
+                                           proposals=proposals)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
@@ -363,8 +367,9 @@ class ModelRunner:
         accepted_live = [n - 1 for s, n in zip(self.rows, n_list) if s is not None]
         if adaptive:
             self.widths.observe(accepted_live, width, L * width, time.perf_counter() - t0)
-        if self.budgets is not None and budget is not None:
-            self.budgets.observe(accepted_live, budget, time.perf_counter() - t0)
+        if self.budgets is not None and option is not None:
+            self.budgets.observe(accepted_live, option, time.perf_counter() - t0,
+                                 [m for (m, _), s in zip(found, self.rows) if s is not None], q)
         return [tokens[i * q:i * q + n] for i, n in enumerate(n_list)], n_list
 
     @property

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import TreeBudgetController, WidthController
+from .adaptive import NGRAM, TREE, TreeBudgetController, WidthController
 from .batch import SpecBatch, TreeSpec, prompt_positions
 from .eagle import Eagle3DraftModel
 from .fast import resolve_runtime
@@ -23,6 +23,7 @@ from .errors import DFlashInputError
 from .model import DFlashDraftModel
 from .ngram import NgramDraft
 from .sampling import SamplingParams, choose_tokens
+from .tree import NGRAM as FROM_NGRAM
 
 
 @dataclass
@@ -44,6 +45,8 @@ class GenerationOutput:
     time_to_first_token: float = 0.0
     total_time: float = 0.0
     width_counts: list[int] | None = None  # adaptive width: steps verified at each width 0..B (index = width)
+    # adaptive trees: steps per check chosen, e.g. {"plain": 90, "ngram-3": 40, "tree-8": 2}
+    step_choices: dict[str, int] | None = None
     runtime: str = ""  # the target's forward that ran ('auto' resolved, see dflash.fast.resolve_runtime)
     # candidate trees: per (row, step) the accepted drafts, the rank of the accepted path among the draft's
     # paths (-1: an n-gram branch alone) and its source (1 draft, 2 n-gram, 3 both); see dflash.tree
@@ -75,6 +78,8 @@ class GenerationOutput:
 
     def summary(self) -> str:
         widths = f", widths={self.width_counts[1:]}" if self.width_counts else ""
+        if self.step_choices:
+            widths += f", checks={self.step_choices}"
         return (f"{sum(self.num_new_tokens)} new tokens, {self.tokens_per_second:.1f} tok/s, τ={self.tau:.2f}, "
                 f"steps={self.num_steps}, ttft={self.time_to_first_token * 1000:.0f} ms, "
                 f"histogram={self.acceptance_histogram}{widths}")
@@ -175,7 +180,7 @@ class _Generation:
         if self.tree is not None:
             self.widths = None
             if self.tree.budget is None:
-                self.budgets = TreeBudgetController(self.B)
+                self.budgets = TreeBudgetController(self.B, ngram_sizes=None if self.tree.ngram else [])
         self.tree_stats: list[tuple[int, int, int]] = []  # per (row, step): accepted, rank of its path, source
         self.ttft = 0.0
         self.total = 0.0
@@ -206,7 +211,7 @@ class _Generation:
         if self.max_new == 0:
             return
         # enough for every row after compaction; storage starts smaller and grows only if answers run long
-        most = (self.tree.budget or max(self.budgets.budgets)) if self.tree is not None else 0
+        most = (self.tree.budget or self.budgets.largest_tree) if self.tree is not None else 0
         # a tree's nodes at the end, and the spare slot of SpecBatch.make_room
         room = self.B + (most + self.B if self.tree is not None else 0) + 1
         self.batch = batch = SpecBatch(self.target, self.draft, self.B, P + self.max_new + room, self.runtime)
@@ -225,7 +230,9 @@ class _Generation:
         if batch.ngram is not None or (self.tree is not None and self.tree.ngram):
             self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
             self.history = [p + [t] for p, t in zip(self.prompts, first.tolist())]  # the text so far, on the host
-        lookup = NgramDraft(num_tokens=self.B - 1) if self.tree is not None and self.tree.ngram else None
+        # matches up to the longest length the budget controller tells apart (a longer match proposes better)
+        lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=TreeBudgetController.MATCH_BUCKETS[-1]) \
+            if self.tree is not None and self.tree.ngram else None
 
         j = torch.arange(self.B, device=self.device)
         live_rows = list(range(b))  # the host's copy of `live`
@@ -246,17 +253,21 @@ class _Generation:
                 histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
             t_step = time.perf_counter()
             width = self.widths.choose(len(live_rows)) if self.widths is not None else None
-            spec, budget = None, None
+            spec, option, found, proposals = None, None, None, None
             if self.tree is not None:
-                budget = self.budgets.choose(len(live_rows)) if self.budgets is not None else self.tree.budget
-                if budget > 0:
-                    spec = TreeSpec(budget, self.tree.topk, None if lookup is None else
-                                    [lookup.propose(self.history[r], self.B - 1) for r in live_rows])
+                found = None if lookup is None else [lookup.match(self.history[r]) for r in live_rows]
+                matches = None if found is None else [n for n, _ in found]
+                option = (self.budgets.choose(len(live_rows), matches) if self.budgets is not None
+                          else (TREE, self.tree.budget))
+                if option[0] == TREE:
+                    spec = TreeSpec(option[1], self.tree.topk, None if found is None else [c for _, c in found])
+                elif option[0] == NGRAM:  # the text's continuations alone: no draft forward
+                    proposals, width = [c for _, c in found], option[1] + 1
                 else:
                     width = 1  # a plain step
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
-                                          histories, width, spec)
+                                          histories, width, spec, proposals)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -271,7 +282,8 @@ class _Generation:
             if self.widths is not None:
                 self.widths.observe([a - 1 for a in acc], width, L * width, time.perf_counter() - t_step)
             if self.budgets is not None:
-                self.budgets.observe([a - 1 for a in acc], budget, time.perf_counter() - t_step)
+                self.budgets.observe([a - 1 for a in acc], option, time.perf_counter() - t_step,
+                                     [n for (n, _), on in zip(found, host[3 * L:4 * L]) if on] if found else None, q)
             self.acceptance += acc
             self.num_steps += 1
             step = [[] for _ in range(b)]
@@ -281,6 +293,9 @@ class _Generation:
                     self.history[r] += step[r]
             if spec is not None:
                 self._tree_stats(batch.last_tree, live_rows, host[3 * L:4 * L])
+            elif proposals is not None:  # an n-gram chain: its accepted tokens came from the text
+                self.tree_stats += [(a - 1, -1 if a > 1 else 0, FROM_NGRAM if a > 1 else 0)
+                                    for a in acc]
             yield step
         _sync(self.device)
         self.total = time.perf_counter() - t0
@@ -306,7 +321,8 @@ class _Generation:
                                 time_to_first_token=self.ttft, total_time=self.total,
                                 width_counts=self.widths.width_counts if self.widths is not None else None,
                                 runtime=resolve_runtime(self.target, self.runtime),
-                                tree_paths=self.tree_stats if self.tree is not None else None)
+                                tree_paths=self.tree_stats if self.tree is not None else None,
+                                step_choices=self.budgets.choice_counts() if self.budgets is not None else None)
 
 
 def _resolve_block_size(draft: DFlashDraftModel, block_size, num_speculative_tokens) -> int:
@@ -333,8 +349,8 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     step only as many drafted tokens as pay for their cost (see dflash.adaptive); off, every step verifies
     the whole block. tree_budget: verify candidate trees of that many draft nodes (the most probable paths
     through the draft's `tree_topk` best tokens per slot, and with `tree_ngram` the text's n-gram
-    continuation) instead of the argmax chain (greedy only; see dflash.tree); 'auto': as many as pay for
-    themselves, step by step (dflash.adaptive.TreeBudgetController), 0 being a plain step."""
+    continuation) instead of the argmax chain (greedy only; see dflash.tree); 'auto': step by step what pays
+    (dflash.adaptive.TreeBudgetController): a plain step, the n-gram continuation alone, or a tree."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)

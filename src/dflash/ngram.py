@@ -27,11 +27,30 @@ class NgramDraft:
 
     def propose(self, history: list[int], k: int | None = None) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the history's last n tokens."""
+        return self.match(history, k)[1]
+
+    def match(self, history: list[int], k: int | None = None) -> tuple[int, list[int]]:
+        """(n, continuation): the longest n (min_ngram..max_ngram) whose last n tokens occurred earlier, and up
+        to k tokens that followed its latest earlier occurrence; (0, []) where none did. The length matters to
+        a caller weighing the proposal: a long match is far likelier to go on than a one-token one.
+        One pass over the history finds the earlier places of the last token; each is then extended backwards,
+        so a miss at every n costs one pass, not one per n."""
         k = self.num_tokens if k is None else k
-        n_tokens = len(history)
-        for n in range(min(self.max_ngram, n_tokens - 1), self.min_ngram - 1, -1):
-            tail = history[n_tokens - n:]
-            for start in range(n_tokens - n - 1, -1, -1):  # latest match first, never the tail itself
-                if history[start:start + n] == tail:
-                    return history[start + n:start + n + k]
-        return []
+        end = len(history) - 1
+        if end < 1:
+            return 0, []
+        last, longest = history[end], min(self.max_ngram, end)
+        best_n, best_at = 0, -1
+        for at in range(end - 1, -1, -1):  # latest first: an equal length found later does not replace it
+            if history[at] != last:
+                continue
+            n = 1
+            while n < longest and n <= at and history[at - n] == history[end - n]:
+                n += 1
+            if n > best_n:
+                best_n, best_at = n, at
+                if n == longest:
+                    break
+        if best_n < self.min_ngram:
+            return 0, []
+        return best_n, history[best_at + 1:best_at + 1 + k]
