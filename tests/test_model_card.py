@@ -93,7 +93,7 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
         "datasets": {"gsm8k": {"tau": 2.5, "slot_acceptance": [0.9, 0.7], "steps": 50}}}))
     (evaluate / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
     (tmp_path / "ablation.json").write_text(json.dumps([
-        {"run": "r0", "data": 9, "depth": 1, "block": 8, "gamma": 3.27, "anchors": 512, "start": "fresh", "lr": 6e-4,
+        {"run": "r0", "data": 9, "depth": 1, "kv": 3, "block": 8, "gamma": 3.27, "anchors": 512, "start": "fresh", "lr": 6e-4,
          "hours": 2.0, "steps": 40, "tau": {"gsm8k": 2.1}, "mean_tau": 2.1,
          "evaluation": "evaluate 40×128, block 8"}]))
     run = _run_folder(tmp_path / "run", sittings=[[(10, 3600.0)]], tau=2.0, method="dflash",
@@ -107,4 +107,4 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
     assert "cosine over 30 steps, a 1.0 h budget" in card
     assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
-    assert "| r0 | 9 | 1 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 40 | 2.10 | 2.10 | evaluate 40×128, block 8 |" in card
+    assert "| r0 | 9 | 1 | 3 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 40 | 2.10 | 2.10 | evaluate 40×128, block 8 |" in card
