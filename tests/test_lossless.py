@@ -212,3 +212,7 @@ def test_ngram_lookup():
     assert d.propose([5, 6, 7]) == []
     assert d.propose([4, 8, 1, 4]) == [8, 1, 4]  # falls back to one-token matches
     assert d.propose([1, 2, 1, 2], k=1) == [1]
+    # match also says how long the match was: the longest, and its latest place among equally long ones
+    assert d.match([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2]) == (2, [3, 7, 1])
+    assert NgramDraft(num_tokens=2, max_ngram=6).match([5, 1, 2, 3, 8, 0, 2, 3, 9, 1, 2, 3]) == (3, [8, 0])
+    assert d.match([4, 8, 1, 4]) == (1, [8, 1, 4]) and d.match([5, 6, 7]) == (0, [])
