@@ -60,15 +60,15 @@ def kv_heads(folder: Path) -> int | str:
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets, "mean τ",
-            "τ from"]
+    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets,
+            "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
-        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r.get("kv", ""), r["block"], r["gamma"], r["anchors"],
-                                                  r["start"], r["lr"], r["hours"], r["steps"], *taus, mean,
-                                                  r.get("evaluation", "training log")])) + " |")
+        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r.get("kv", ""), r["block"],
+                                                  r["gamma"], r["anchors"], r["start"], r["lr"], r["hours"], r["steps"],
+                                                  *taus, mean, r.get("evaluation", "training log")])) + " |")
     return lines
 
 

@@ -60,8 +60,7 @@ class WidthController:
             self.hit[k] = self.hit[k] * self.decay + (at_least[k] if k >= 1 else 0)
         for entry in self.cost.values():
             entry[1] *= self.decay
-        entry = self.cost.setdefault((tokens // width, width, width > 1 if drafted is None else drafted),
-                                     [seconds, 0.0])
+        entry = self.cost.setdefault(self._key(tokens // width, width, drafted), [seconds, 0.0])
         entry[0] += 0.3 * (seconds - entry[0])
         entry[1] += 1.0
 
@@ -94,10 +93,14 @@ class WidthController:
         # noise must not make a wider block, or drafting, look cheaper than plain decoding
         return max(a, 1e-9), max(b, 0.0), max(c, 0.0)
 
+    @staticmethod
+    def _key(rows: int, width: int, drafted: bool | None) -> tuple[int, int, bool]:
+        return rows, width, width > 1 if drafted is None else drafted  # a chain step wider than 1 ran the draft
+
     def _measured(self, rows: int, width: int, drafted: bool | None = None) -> float | None:
         """Seconds of a step of this shape, if measured recently enough to trust (its weight decays, so an
         old measurement gives way to the fit, and the choice it makes measures the shape again)."""
-        entry = self.cost.get((rows, width, width > 1 if drafted is None else drafted))
+        entry = self.cost.get(self._key(rows, width, drafted))
         return entry[0] if entry is not None and entry[1] >= 0.25 else None
 
     # ---- the choice -------------------------------------------------------------------------------------

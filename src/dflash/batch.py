@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adaptive import NGRAM, TREE
 from .eagle import Eagle3DraftModel
 from .model import DFlashDraftModel, DraftKVCache
 from .ngram import NgramDraft
@@ -25,6 +26,19 @@ class TreeSpec:
     budget: int
     topk: int = 4
     continuations: list[list[int]] | None = None
+
+
+def step_args(option: tuple[str, int], found: list[tuple[int, list[int]]] | None, topk: int, block_size: int):
+    """What `SpecBatch.step` takes for a TreeBudgetController option, given each row's n-gram match (length,
+    continuation) or None: (tree, proposals, width). A tree also carries the continuations as branches; an
+    n-gram chain checks them alone, no draft forward; a plain step checks the anchor."""
+    kind, size = option
+    continuations = None if found is None else [c for _, c in found]
+    if kind == TREE:
+        return TreeSpec(size, topk, continuations), None, block_size
+    if kind == NGRAM:
+        return None, continuations, size + 1
+    return None, None, 1
 
 
 def prompt_positions(mask: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,8 @@ def _model_options() -> argparse.ArgumentParser:
     _width_option(p)
     p.add_argument("--tree-budget", default=None, type=_tree_budget,
                    help="verify candidate trees of N draft nodes (the draft's most probable paths and the text's "
-                   "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain step, the "
-                   "n-gram continuation alone, or a tree")
+                   "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain "
+                   "step, the n-gram continuation alone, or a tree")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
@@ -148,8 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
                     "width), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
-                    "dflash-tree-adaptive (step by step what pays: a plain step, the n-gram continuation alone or a tree; both "
-                    "greedy only), "
+                    "dflash-tree-adaptive (step by step what pays: a plain step, the n-gram continuation alone or a "
+                    "tree; both greedy only), "
                     "eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
                     "ngram (prompt lookup through our loop), hf (transformers generate), hf-prompt-lookup, "
                     "hf-assisted, hf-early-exit (transformers' LayerSkip self-speculation)")
@@ -250,7 +250,8 @@ _TRAIN_HELP = {
     "init_draft": "start from this draft instead of a fresh one (a --num-layers above its depth appends layers that start as the identity)",
     "init_from_target": "start the draft layers as copies of the target's last layers",
     "draft_vocab_size": "limit proposals to the N most frequent answer tokens (cheaper draft LM head)", "num_layers": "draft decoder layers",
-    "num_kv_heads": "key/value heads of a fresh draft's layers, dividing the attention heads (default: the target's)",
+    "num_kv_heads": "key/value heads of the draft's layers, dividing the attention heads (default: the target's); "
+                    "with --init-draft, a multiple of its heads that it widens to",
     "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",
     "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",

@@ -18,8 +18,8 @@ from enum import Enum
 
 import torch
 
-from .adaptive import NGRAM, TREE, TreeBudgetController, WidthController
-from .batch import SpecBatch, TreeSpec
+from .adaptive import TREE, TreeBudgetController, WidthController
+from .batch import SpecBatch, step_args
 from .ngram import NgramDraft
 from .compiled import built_graphs_only
 from .errors import DFlashInputError
@@ -347,13 +347,8 @@ class ModelRunner:
             found = [(0, []) if s is None else self.lookup.match(s.prompt_ids + s.output_ids) for s in self.rows]
             option = (self.budgets.choose(len(self.rows), [n for n, _ in found]) if self.budgets is not None
                       else (TREE, self.tree_budget))
+            spec, proposals, width = step_args(option, found, self.tree_topk, self.B)
             adaptive = False
-            if option[0] == TREE:
-                spec, width = TreeSpec(option[1], self.tree_topk, [c for _, c in found]), self.B
-            elif option[0] == NGRAM:  # the text's continuations alone: no draft forward
-                proposals, width = [c for _, c in found], option[1] + 1
-            else:
-                width = 1  # a plain step
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            lambda logits: _choose_per_row(logits, self.rows), width=width, tree=spec,
                                            proposals=proposals)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import NGRAM, TREE, TreeBudgetController, WidthController
-from .batch import SpecBatch, TreeSpec, prompt_positions
+from .adaptive import TREE, TreeBudgetController, WidthController
+from .batch import SpecBatch, prompt_positions, step_args
 from .eagle import Eagle3DraftModel
 from .fast import resolve_runtime
 from .errors import DFlashInputError
@@ -256,15 +256,9 @@ class _Generation:
             spec, option, found, proposals = None, None, None, None
             if self.tree is not None:
                 found = None if lookup is None else [lookup.match(self.history[r]) for r in live_rows]
-                matches = None if found is None else [n for n, _ in found]
-                option = (self.budgets.choose(len(live_rows), matches) if self.budgets is not None
-                          else (TREE, self.tree.budget))
-                if option[0] == TREE:
-                    spec = TreeSpec(option[1], self.tree.topk, None if found is None else [c for _, c in found])
-                elif option[0] == NGRAM:  # the text's continuations alone: no draft forward
-                    proposals, width = [c for _, c in found], option[1] + 1
-                else:
-                    width = 1  # a plain step
+                option = (self.budgets.choose(len(live_rows), None if found is None else [n for n, _ in found])
+                          if self.budgets is not None else (TREE, self.tree.budget))
+                spec, proposals, width = step_args(option, found, self.tree.topk, self.B)
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
                                           histories, width, spec, proposals)
