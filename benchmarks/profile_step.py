@@ -1,5 +1,7 @@
 """Where a DFlash step's time goes: draft propose, draft context write, target verify, and the rest
-(bookkeeping), per step, next to a plain decoding step. Prints a table and ends with one JSON line.
+(bookkeeping), per step, next to a plain decoding step. A greedy verify step runs the target's output layer
+only on the rows it reads (up to the first rejected token); "dflash full head" runs it on every row, the cost
+of a step whose every draft token is accepted. Prints a table and ends with one JSON line.
 
     python benchmarks/profile_step.py --draft runs/prelim/final [--data DATASET --draft-vocab-size 8192]
 """
@@ -47,15 +49,24 @@ def main():
                                                 add_generation_prompt=True, tokenize=True)["input_ids"]])
     spent = {"propose": 0.0, "context write": 0.0, "target forward": 0.0}
 
-    calls: dict[int, list[float]] = {}  # target forward times by the number of tokens in the call
+    # target forward times by the number of tokens in the call; a verify step's later output-layer rows (greedy
+    # verification reads the logits of the rows up to the first rejected token: SpecBatch.step) count with it
+    calls: dict[int, list[float]] = {}
+    last: list[list[float]] = [[]]
 
     def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             out = fn(*a, **k)
-            spent[name] += time.perf_counter() - t
+            took = time.perf_counter() - t
+            if name == "target head":
+                spent["target forward"] += took
+                last[0][-1] += took
+                return out
+            spent[name] += took
             if name == "target forward":
-                calls.setdefault(a[1].shape[1], []).append(time.perf_counter() - t)
+                last[0] = calls.setdefault(a[1].shape[1], [])
+                last[0].append(took)
             return out
         return wrapper
 
@@ -64,11 +75,15 @@ def main():
     target_mod.TargetAdapter.forward = timed("target forward", target_mod.TargetAdapter.forward)
     if "forward" in vars(fast_mod.FastTargetAdapter):  # an inherited forward is already timed: count it once
         fast_mod.FastTargetAdapter.forward = timed("target forward", fast_mod.FastTargetAdapter.forward)
+    fast_mod.FastTargetAdapter.head = timed("target head", fast_mod.FastTargetAdapter.head)
+    lazy = fast_mod.FastTargetAdapter.lazy_head
     rows, report = [], {}
-    for method in ("dflash", "ar"):
+    # "dflash full head": the output layer on every row of every verify step, as a step that reads them all
+    for method in ("dflash", "dflash full head", "ar"):
         kw = dict(max_new_tokens=args.max_new_tokens, return_stats=True, runtime=args.runtime)
-        run = (lambda: spec_generate(target, draft, ids, **kw)) if method == "dflash" else \
-            (lambda: ar_generate(target, ids, **kw))
+        run = (lambda: ar_generate(target, ids, **kw)) if method == "ar" else \
+            (lambda: spec_generate(target, draft, ids, **kw))
+        fast_mod.FastTargetAdapter.lazy_head = property(lambda self: False) if method == "dflash full head" else lazy
         run()  # warm-up
         for k in spent:
             spent[k] = 0.0
@@ -84,15 +99,19 @@ def main():
         report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": steps,
                           "tau": round(out.tau, 3), "tokens_per_s": round(out.num_new_tokens[0] / total, 2),
                           "forward_ms_by_tokens": {n: round(v, 2) for n, v in sorted(forward.items())}}
-        rows.append(f"{method:7s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
+        rows.append(f"{method:16s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
                     f" {out.tau:6.2f} {out.num_new_tokens[0] / total:8.1f}")
-    print(f"{'method':7s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) + f" {'tau':>6s} {'tok/s':>8s}")
+    fast_mod.FastTargetAdapter.lazy_head = lazy
+    print(f"{'method':16s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) +
+          f" {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
     one = report["ar"]["forward_ms_by_tokens"].get(1)
-    for n, ms in report["dflash"]["forward_ms_by_tokens"].items():
-        if one and n > 1:
-            print(f"target forward of {n} tokens (median): {ms:.1f} ms = {ms / one:.2f}x one token's ({one:.1f} ms)")
-            report[f"verify_{n}_over_one"] = round(ms / one, 3)
+    for method, key in (("dflash", "verify_{}_over_one"), ("dflash full head", "verify_{}_full_head_over_one")):
+        for n, ms in report[method]["forward_ms_by_tokens"].items():
+            if one and n > 1:
+                print(f"{method}: target forward of {n} tokens (median): {ms:.1f} ms = {ms / one:.2f}x one "
+                      f"token's ({one:.1f} ms)")
+                report[key.format(n)] = round(ms / one, 3)
     print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
                       "dtype": str(target.dtype).removeprefix("torch."),
                       "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))

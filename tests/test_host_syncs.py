@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash import DFlashDraftModel, stream_generate
 from dflash.engine import EngineConfig, LLMEngine
+from dflash.fast import FastTargetAdapter
 from tiny import ragged_batch, tiny_target
 
 # ops whose result a GPU must finish computing and copy to the host before Python can go on
@@ -30,6 +31,8 @@ class SyncCounter(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting(monkeypatch):
+    # the path a GPU runs: on a CPU, greedy verification reads back which rows' logits it needs (free there)
+    monkeypatch.setattr(FastTargetAdapter, "lazy_head", property(lambda self: False))
     counter = SyncCounter()
     real = torch.Tensor.tolist
 

@@ -352,6 +352,27 @@ def test_cache_attention_of_a_query_does_not_depend_on_anything_it_does_not_see(
 
 
 @needs_attention_kernel
+@pytest.mark.parametrize("d", [64, 128])
+def test_cache_attention_of_many_queries_is_each_query_alone(d):
+    # a verify block's queries over a long cache that they all see (the kernel then weighs each value row into
+    # four queries at once) give each query's attention computed alone, bit for bit; one query skips a key
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, nq, T = 8, 2, 6, 90
+    q = torch.randn(1, heads, nq, d, generator=g)
+    k, v = (torch.randn(1, kv_heads, T, d, generator=g).bfloat16() for _ in range(2))
+    visible = torch.ones(1, nq, T, dtype=torch.bool)
+    visible[0, torch.arange(nq)[:, None], T - nq + torch.arange(nq)] = torch.ones(nq, nq).tril().bool()
+    visible[0, 4, 33] = False
+    out = torch.ops.dflash_attn.cache_attention(q, k, v, visible, d ** -0.5)
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        for i in range(nq):
+            alone = torch.ops.dflash_attn.cache_attention(q[:, h:h + 1, i:i + 1], k[:, kv:kv + 1], v[:, kv:kv + 1],
+                                                          visible[:, i:i + 1], d ** -0.5)
+            assert torch.equal(out[:, h:h + 1, i:i + 1], alone), (h, i)
+
+
+@needs_attention_kernel
 def test_cache_attention_refuses_what_it_cannot_take():
     q, k, v, visible = _attention_case(1, 4, 2, 2, 10, 64, torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 16"):

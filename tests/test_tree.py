@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dflash import DFlashDraftModel, ar_generate, spec_generate
+from dflash.batch import read_choices
 from dflash.tree import DRAFT, NGRAM, accept, build_trees
 from cpu_features import needs_attention_kernel, needs_int4_kernel
 from oracle import OracleDraft, SecondChoiceOracle
@@ -68,6 +69,64 @@ def test_trees_keep_greedy_output_and_accept_second_choices(arch, budget, topk, 
     assert tree.tau > chain.tau + 0.3, (arch, chain.tau, tree.tau)
     assert len(tree.tree_paths) == len(tree.acceptance_lengths)
     assert any(rank > 0 for _, rank, _ in tree.tree_paths)  # paths through a second choice were accepted
+
+
+def _table_head(choices: torch.Tensor):
+    """hidden states that name their node, and a head whose argmax there is `choices` [L, N]; it counts the rows
+    it is given"""
+    L, N = choices.shape
+    hidden = torch.eye(L * N).view(L, N, L * N)
+    table = torch.nn.functional.one_hot(choices.reshape(-1), 64).float()
+    rows = []
+
+    def head(h):
+        rows.append(h.shape[0] * h.shape[1])
+        return h @ table
+    return hidden, head, rows
+
+
+def test_reading_the_logits_lazily_gives_the_full_heads_chain_verdict():
+    g = torch.Generator().manual_seed(0)
+    L, q = 6, 8
+    full = torch.randint(0, 64, (L, q), generator=g)  # the target's argmax after every position
+    ids = torch.randint(0, 64, (L, q), generator=g)
+    for r, n in enumerate([0, 1, 3, 4, 5, 7]):  # row r's drafts 1..n are the target's own tokens
+        ids[r, 1:n + 1] = full[r, :n]
+    hidden, head, rows = _table_head(full)
+    chain = (torch.arange(q) - 1).clamp(min=0).expand(L, q)
+    choice = read_choices(head, hidden, ids, chain, None, q - 1, 4)
+    accepted = (ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
+    assert accepted.tolist() == [0, 1, 3, 4, 5, 7]
+    for r, n in enumerate(accepted.tolist()):  # what a row commits: its accepted drafts and the target's next
+        assert torch.equal(choice[r, :n + 1], full[r, :n + 1])
+    assert rows == [L * 4, 3 * 4]  # the rest only for the three rows that got past the first four
+    one = read_choices(head, hidden[:1, :4], ids[:1, :4], chain[:1, :4], None, 3, 2)
+    assert rows[-1] == 4 and torch.equal(one, full[:1, :4])  # 4 rows cost one row's time: all at once
+
+
+def test_reading_the_logits_lazily_gives_the_full_heads_tree_verdict():
+    rng = random.Random(1)
+    L = 5
+    top_ids = [[[rng.randrange(64) for _ in range(3)] for _ in range(7)] for _ in range(L)]
+    top_logp = [[sorted((-rng.random() * 3 for _ in range(3)), reverse=True) for _ in range(7)] for _ in range(L)]
+    trees = build_trees(list(range(L)), top_ids, top_logp, budget=20, continuations=None, device="cpu", min_nodes=8)
+    N = trees.size
+    g = torch.Generator().manual_seed(2)
+    full = torch.randint(0, 64, (L, N), generator=g)
+    # each row's target follows the tree down to a node of its own: late nodes too (past the first quarter)
+    for r, end in enumerate([0, 2, N // 2, N - 1, N - 3]):
+        node = end
+        while node != 0:
+            up = int(trees.parent[r, node])
+            full[r, up] = trees.tokens[r, node]
+            node = up
+    hidden, head, rows = _table_head(full)
+    choice = read_choices(head, hidden, trees.tokens, trees.parent, trees.alive, 7, (N + 3) // 4)
+    path, accepted = accept(trees, full, 7)
+    lazy_path, lazy_accepted = accept(trees, choice, 7)
+    assert torch.equal(lazy_path, path) and torch.equal(lazy_accepted, accepted) and accepted.max() >= 2
+    assert torch.equal(choice.gather(1, path), full.gather(1, path))
+    assert len(rows) == 2 and rows[0] == L * ((N + 3) // 4) and sum(rows) < L * N  # the rest: some rows only
 
 
 def test_a_tree_that_is_the_argmax_chain_is_todays_step():

@@ -16,6 +16,7 @@ from .eagle import Eagle3DraftModel
 from .model import DFlashDraftModel, DraftKVCache
 from .ngram import NgramDraft
 from .fast import make_adapter
+from .kernels import argmax
 from .tree import accept, build_trees
 
 
@@ -39,6 +40,39 @@ def step_args(option: tuple[str, int], found: list[tuple[int, list[int]]] | None
     if kind == NGRAM:
         return None, continuations, size + 1
     return None, None, 1
+
+
+# Rows of logits that cost about one row's time on a CPU: the output layer streams its whole weight for a few
+# rows (SmolLM2-135M's Q8_0 head on an AVX2 EPYC, 2 threads: 1.5 / 1.5 / 1.9 / 3.4 ms for 1 / 2 / 4 / 8 rows)
+HEAD_ROWS_AT_ONE_ROW_COST = 4
+
+
+def read_choices(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tokens: torch.Tensor,
+                 parent: torch.Tensor, alive: torch.Tensor | None, max_depth: int, first: int) -> torch.Tensor:
+    """The target's argmax after every node that greedy verification reads, 0 after the others (a node whose
+    parent was not read is never accepted, and a token id keeps the choices a valid input for the chain
+    drafter's cache entries, which past the kept slots are never read): the output layer (`head`) runs on the
+    first `first` nodes of every row, and on the rest only for the rows whose accepted path goes on past them. hidden: [L, N, H] the nodes' final-normed states; tokens, parent: [L, N]
+    (a chain is a tree whose node j's parent is j - 1); alive: [L, N] real nodes (None: all). The head computes
+    each row alone (dflash's kernels), so the choices read are the bits a full head would give."""
+    L, N = tokens.shape
+    # fewer rows than the head's cost floor gain nothing from waiting
+    first = N if L * N <= HEAD_ROWS_AT_ONE_ROW_COST else min(N, max(first, -(-HEAD_ROWS_AT_ONE_ROW_COST // L)))
+    choice = tokens.new_zeros((L, N))
+    choice[:, :first] = argmax(head(hidden[:, :first]))
+    if first == N:
+        return choice
+    ok = (tokens == choice.gather(1, parent)) & (parent < first)  # a node whose parent was not read: not yet
+    if alive is not None:
+        ok &= alive
+    ok[:, 0] = True
+    for _ in range(max_depth):  # accepted: the whole ancestry matched
+        ok = ok & ok.gather(1, parent)
+    rows = ok[:, first:].any(1).nonzero()[:, 0].tolist()  # the host decides: free on a CPU
+    if rows:
+        index = torch.tensor(rows, device=tokens.device)
+        choice[index, first:] = argmax(head(hidden[index, first:]))
+    return choice
 
 
 def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -111,11 +145,13 @@ class SpecBatch:
                 self._chunk = (input_ids, None, input_ids.new_full((input_ids.shape[0],), q - 1))
         return logits[:, -1]
 
-    def step(self, anchor: torch.Tensor, block_pos: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
-             histories: list[list[int]] | None = None, width: int | None = None, tree: "TreeSpec | None" = None,
-             proposals: list[list[int]] | None = None):
+    def step(self, anchor: torch.Tensor, block_pos: torch.Tensor,
+             choose: Callable[[torch.Tensor], torch.Tensor] | None, histories: list[list[int]] | None = None,
+             width: int | None = None, tree: "TreeSpec | None" = None, proposals: list[list[int]] | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
-        forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q].
+        forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q]; None: the
+        target's argmax (greedy), where the target's output layer then runs only on the rows that are read
+        (see `read_choices`): a choice after the first rejected token is never used, and is 0.
 
         anchor: [L] last committed token of each row; block_pos: [L, B] absolute positions of the block;
         histories: each row's tokens so far (an n-gram draft looks its proposals up there).
@@ -163,8 +199,14 @@ class SpecBatch:
         else:
             verify_ids = anchor
         self._slot, self._block_pos, self._q = self.pointer, block_pos, verify_ids.shape[1]
-        logits, self._feats = self.adapter.forward(verify_ids, block_pos, capture=self.draft is not None)
-        choice = choose(logits)
+        lazy = choose is None and self.adapter.lazy_head
+        out, self._feats = self.adapter.forward(verify_ids, block_pos, capture=self.draft is not None, head=not lazy)
+        if lazy:
+            q = verify_ids.shape[1]
+            chain = (torch.arange(q, device=self.device) - 1).clamp(min=0).expand_as(verify_ids)
+            choice = read_choices(self.adapter.head, out, verify_ids, chain, None, q - 1, (q + 1) // 2)
+        else:
+            choice = argmax(out) if choose is None else choose(out)
         self._choice = choice
         accepted = (verify_ids[:, 1:] == choice[:, :-1]).long().cumprod(1).sum(1)
         return choice, accepted
@@ -188,9 +230,13 @@ class SpecBatch:
         if self.pointer + max(N, self.B) >= self.adapter.capacity:
             self.make_room(max(N, self.B))
         p = self.pointer
-        logits, feats = self.adapter.forward(trees.tokens, block_pos[:, :1] + trees.depth, capture=True,
-                                             tree_mask=trees.visible)
-        choice = choose(logits)  # [L, N] the target's token after every node
+        lazy = choose is None and self.adapter.lazy_head
+        out, feats = self.adapter.forward(trees.tokens, block_pos[:, :1] + trees.depth, capture=True,
+                                          tree_mask=trees.visible, head=not lazy)
+        # nodes come best path first: the accepted path mostly lies among the first ones
+        choice = (read_choices(self.adapter.head, out, trees.tokens, trees.parent, trees.alive, self.B - 1,
+                               (N + 3) // 4) if lazy else
+                  argmax(out) if choose is None else choose(out))  # [L, N] the target's token after every node
         path, accepted = accept(trees, choice, self.B - 1)  # [L, B] nodes, root first
         self.last_tree = (trees, path, accepted)
         # the accepted path to slots p..p+B, as a chain's block lies; the rest of the tree is dropped

@@ -343,15 +343,16 @@ class ModelRunner:
             width = self.widths.choose(len(self.rows), width)
         self.last_width = width
         spec, option, found, proposals = None, None, None, None
-        if self.tree_budget is not None and not self.width_plan and all(s.sampling.greedy for s in live):
+        greedy = all(s.sampling.greedy for s in live)
+        if self.tree_budget is not None and not self.width_plan and greedy:
             found = [(0, []) if s is None else self.lookup.match(s.prompt_ids + s.output_ids) for s in self.rows]
             option = (self.budgets.choose(len(self.rows), [n for n, _ in found]) if self.budgets is not None
                       else (TREE, self.tree_budget))
             spec, proposals, width = step_args(option, found, self.tree_topk, self.B)
             adaptive = False
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
-                                           lambda logits: _choose_per_row(logits, self.rows), width=width, tree=spec,
-                                           proposals=proposals)
+                                           None if greedy else lambda logits: _choose_per_row(logits, self.rows),
+                                           width=width, tree=spec, proposals=proposals)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep

@@ -225,14 +225,16 @@ class FastForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int],
-                 logits_to_keep: int = 0, compile: bool = False, tree_mask: torch.Tensor | None = None):
+                 logits_to_keep: int = 0, compile: bool = False, tree_mask: torch.Tensor | None = None,
+                 head: bool = True):
         """input_ids, position_ids: [b, q] written at slots pointer..pointer+q of `cache` (StaticLayers);
         valid: [b, capacity] committed slots (the new ones included). Returns (logits [b, q', V], taps).
         compile: run decode and verify steps (logits_to_keep=0) through `torch.compile` (see `_compiled_step`);
-        prompt passes, one-offs of any length, stay eager."""
-        if not compile or logits_to_keep or tree_mask is not None:  # candidate trees verify eagerly
+        prompt passes, one-offs of any length, stay eager. head=False: the final-normed hidden states [b, q', H]
+        in place of the logits (eager), for `logits` to turn the rows that are read into logits."""
+        if not compile or logits_to_keep or tree_mask is not None or not head:  # candidate trees verify eagerly
             return self._forward(input_ids, position_ids, cache, valid, pointer, tap_ids, logits_to_keep,
-                                 tree_mask=tree_mask)
+                                 tree_mask=tree_mask, head=head)
         b, q = input_ids.shape
         if input_ids.is_cuda:
             return self._graphed_step(input_ids, position_ids, cache, valid, pointer, tap_ids)
@@ -285,7 +287,7 @@ class FastForward:
         return out
 
     def _forward(self, input_ids, position_ids, cache, valid, pointer: int, tap_ids: list[int], logits_to_keep: int,
-                 write_slots: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None):
+                 write_slots: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None, head: bool = True):
         b, q = input_ids.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
@@ -362,7 +364,12 @@ class FastForward:
         torch._foreach_add_([c.cumulative_length for c in cache.layers], q)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        return _linear(self.norm(self.final_norm, x), self.head_weight, self.head_bias), taps
+        x = self.norm(self.final_norm, x)
+        return (self.logits(x) if head else x), taps
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [..., H] -> logits [..., V]."""
+        return _linear(hidden, self.head_weight, self.head_bias)
 
 
 def fast_forward(model, quantize: str | None = None) -> FastForward:
@@ -432,6 +439,16 @@ class FastTargetAdapter(TargetAdapter):
         self.fast = fast_forward(model, quantize)
         self.compile = compile
 
-    def _run(self, input_ids, position_ids, tap_ids, logits_to_keep, tree_mask=None):
+    @property
+    def lazy_head(self) -> bool:
+        # on a CPU the output layer is a verify step's largest product (SmolLM2-135M: 28M of its 135M weights),
+        # and a step reads the logits of few of its rows: mostly those up to the first rejected draft token.
+        # Reading which ones costs a read back to the host, nothing on a CPU (a GPU's step keeps its one).
+        return not self.compile and self.device.type == "cpu"
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fast.logits(hidden)
+
+    def _run(self, input_ids, position_ids, tap_ids, logits_to_keep, tree_mask=None, head=True):
         return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep,
-                         self.compile, tree_mask)
+                         self.compile, tree_mask, head)

@@ -260,6 +260,7 @@ class _Generation:
                           if self.budgets is not None else (TREE, self.tree.budget))
                 spec, proposals, width = step_args(option, found, self.tree.topk, self.B)
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
+                                          None if self.sampling.greedy else
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
                                           histories, width, spec, proposals)
             active = ~done

@@ -164,20 +164,25 @@ class TargetAdapter:
         self.valid[:, :m] = new_valid
 
     # ---- forward -------------------------------------------------------------------------------------
+    lazy_head = False  # whether forward(head=False) and `head` are there (the lean runtime on a CPU)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, *, capture: bool,
                 logits_to_keep: int = 0, slot_valid: torch.Tensor | None = None,
-                tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                tree_mask: torch.Tensor | None = None, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Writes input_ids [b, q] at slots pointer..pointer+q; returns logits [b, q', V] and features
         [b, q, num_ids*H] (the outputs of the tapped decoder layers, concatenated) when `capture`.
         tree_mask [b, q, q]: which of the new tokens each new token sees (a candidate tree: itself and its
-        ancestors); default causal."""
+        ancestors); default causal. head=False (where `lazy_head`): the final-normed hidden states [b, q', H]
+        in place of the logits; `head` makes the logits of the rows that are read, each as this call would."""
         q = input_ids.shape[1]
         if self.pointer + q > self.capacity:
             raise RuntimeError(f"target cache overflow: {self.pointer}+{q} > {self.capacity}")
+        if not head and not self.lazy_head:
+            raise DFlashConfigError(f"{type(self).__name__} computes its logits inside the forward (head=False)")
         # the caller decides which of the new slots count; they must be visible to this forward
         self.valid[:, self.pointer:self.pointer + q] = True if slot_valid is None else slot_valid
         logits, taps = self._run(input_ids, position_ids, self.layer_ids if capture else [], logits_to_keep,
-                                 tree_mask)
+                                 tree_mask, **({} if head else {"head": False}))
         self.pointer += q
         features = torch.cat([taps[i] for i in self.layer_ids], dim=-1) if capture else None
         return logits, features

@@ -204,11 +204,11 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
     const int64_t n = std::min<int64_t>(kLanes, hi - j0);
     const float* value[kLanes];
     for (int64_t l = 0; l < n; ++l) value[l] = row_fp32(v + (j0 + l) * v_stride, block.data() + l * d, d);
-    for (int64_t r = 0; r < R; ++r) {
+    const auto one_row = [&](int64_t r) {
       const float* p = weights.data() + r * S + (j0 - lo);
       bool any = false;
       for (int64_t l = 0; l < n; ++l) any |= p[l] != 0.0f;
-      if (!any) continue;
+      if (!any) return;
       float* a = acc.data() + r * d;
       if constexpr (D != 0) {
         float o[D];
@@ -228,7 +228,45 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
           for (int64_t c = 0; c < d; ++c) a[c] += p[l] * vl[c];
         }
       }
+    };
+    int64_t r = 0;
+    if constexpr (D != 0) {
+      // four rows that all see every key of the block at once, 16 output elements at a time: each value chunk
+      // is loaded once for the four, and every element takes the same multiply-adds in the same order as row by
+      // row (so the same bits). A row that skips a key goes alone.
+      for (; r + 4 <= R; r += 4) {
+        const float* p[4];
+        bool all = true;
+        for (int i = 0; i < 4; ++i) {
+          p[i] = weights.data() + (r + i) * S + (j0 - lo);
+          for (int64_t l = 0; l < n; ++l) all &= p[i][l] != 0.0f;
+        }
+        if (!all) {
+          for (int i = 0; i < 4; ++i) one_row(r + i);
+          continue;
+        }
+        for (int c = 0; c < D; c += 16) {
+          __m256 o[4][2];
+          for (int i = 0; i < 4; ++i) {
+            o[i][0] = _mm256_loadu_ps(acc.data() + (r + i) * d + c);
+            o[i][1] = _mm256_loadu_ps(acc.data() + (r + i) * d + c + 8);
+          }
+          for (int64_t l = 0; l < n; ++l) {
+            const __m256 v0 = _mm256_loadu_ps(value[l] + c), v1 = _mm256_loadu_ps(value[l] + c + 8);
+            for (int i = 0; i < 4; ++i) {
+              const __m256 w = _mm256_set1_ps(p[i][l]);
+              o[i][0] = _mm256_fmadd_ps(w, v0, o[i][0]);
+              o[i][1] = _mm256_fmadd_ps(w, v1, o[i][1]);
+            }
+          }
+          for (int i = 0; i < 4; ++i) {
+            _mm256_storeu_ps(acc.data() + (r + i) * d + c, o[i][0]);
+            _mm256_storeu_ps(acc.data() + (r + i) * d + c + 8, o[i][1]);
+          }
+        }
+      }
     }
+    for (; r < R; ++r) one_row(r);
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;

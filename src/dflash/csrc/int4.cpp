@@ -279,10 +279,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 constexpr int64_t kQ8Tile = 8;
 constexpr int64_t kQuads = kGroup / 4;
 
-// One tile (8 outputs) for M rows, group by group: the group's eight weight registers are loaded once and
+// One tile (8 outputs) for M rows, group by group, quad by quad: each quad's weight register is loaded once and
 // multiplied into every row in turn, so the weight streams through memory once for up to kMaxRows rows.
-// s8 x s8 products of four inputs into each int32 lane: |x| times w carrying x's sign makes a u8 x s8 pair for
-// vpmaddubsw (at most 2 x 127 x 127 per int16: no saturation), and vpmaddwd adds the pairs exactly.
+// s8 x s8 products of four inputs into each int32 lane: vpmaddubsw wants one u8 side, so the weight's magnitude
+// (made once per quad, for all the rows) meets the input carrying the weight's sign: |w| x sign(x, w) = w x x,
+// at most 2 x 127 x 127 per int16 (no saturation), and vpmaddwd adds the pairs exactly. (Taking the magnitude of
+// the input instead costs each row two instructions per quad where this costs one: 8 rows 7-12% faster here.)
 template <int M>
 void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
              int64_t tile, uint16_t* y) {
@@ -292,21 +294,21 @@ void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint1
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i w[kQuads];
-    for (int o = 0; o < kQuads; ++o)
-      w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kQuads + o) * 32));
-    const __m256 scale = fp16x8_to_fp32(scales + (tile * groups + g) * kQ8Tile);
-    for (int m = 0; m < M; ++m) {
-      const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup);
-      __m256i dot = _mm256_setzero_si256();
-      for (int o = 0; o < kQuads; ++o) {
-        const __m256i x = _mm256_set1_epi32(x4[o]);
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x),
-                                                                           _mm256_sign_epi8(w[o], x)), ones));
+    __m256i dot[M];
+    for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
+    for (int o = 0; o < kQuads; ++o) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kQuads + o) * 32));
+      const __m256i magnitude = _mm256_abs_epi8(w);
+      for (int m = 0; m < M; ++m) {
+        const __m256i x = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup)[o]);
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)),
+                                                            ones));
       }
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g])),
-                               acc[m]);
     }
+    const __m256 scale = fp16x8_to_fp32(scales + (tile * groups + g) * kQ8Tile);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g])),
+                               acc[m]);
   }
   for (int m = 0; m < M; ++m)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + tile * kQ8Tile), fp32x8_to_bf16(acc[m]));
