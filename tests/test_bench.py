@@ -83,18 +83,17 @@ def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
 
 
 def test_bench_reports_a_broken_verifier_loudly(setup, tmp_path, monkeypatch, capsys):
-    from dflash import generate as gen
+    from dflash import batch
 
-    real = gen.choose_tokens
+    real = batch.read_choices  # greedy verification's choices (the output layer on the rows it reads)
 
-    def broken(logits, params, generator=None):
-        out = real(logits, params, generator)
-        if logits.dim() == 3 and logits.shape[1] > 1:  # only the DFlash verify step: corrupt its first choice
-            out = out.clone()
+    def broken(head, hidden, tokens, *rest):
+        out = real(head, hidden, tokens, *rest).clone()
+        if tokens.shape[1] > 1:  # only the DFlash verify step: corrupt its first choice
             out[:, 0] = (out[:, 0] + 1) % 36
         return out
 
-    monkeypatch.setattr(gen, "choose_tokens", broken)
+    monkeypatch.setattr(batch, "read_choices", broken)
     target, tok, draft, prompts = setup
     report = run_bench(BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=12, out=str(tmp_path / "o")),
                        target, tok, draft)
