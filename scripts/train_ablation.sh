@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One arm of the recipe comparison for the default model's draft (issue 25): equal wall-clock (--max-hours),
-# the same data, the same held-out evaluation (GSM8K, MBPP, HumanEval, MT-Bench test prompts). Resumable: rerun the
+# One arm of the recipe comparison for the default model's draft (issue 25): equal wall-clock (--max-hours), or
+# equal steps (STEPS=N: the machine's speed drifts by 2x between hours, so equal hours can mean unequal work), the
+# same data, the same held-out evaluation (GSM8K, MBPP, HumanEval, MT-Bench test prompts). Resumable: rerun the
 # same arm. Then `python scripts/ablation_table.py runs/train/*/ --out runs/train/ablation` compares them.
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/train_ablation.sh r0     # THREADS=1 HOURS=2 by default
@@ -16,6 +17,9 @@ cd "$(dirname "$0")/.."
 ARM="${1:?name an arm: r0..r9}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
+# STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
+BUDGET=(--max-hours "$HOURS")
+[ -n "${STEPS:-}" ] && BUDGET=(--schedule-steps "$STEPS")
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
 DATA="${DATA:-data/smollm2-135m-instruct/first}"
 case "$ARM" in
@@ -34,6 +38,6 @@ esac
 # shellcheck disable=SC2086
 dflash train --target smollm2-135m-instruct --data $DATA --output "runs/train/$ARM" \
     --num-layers 1 --num-target-features 3 --block-size 8 --num-anchors 512 --lr 6e-4 --epochs 4 \
-    --max-hours "$HOURS" --warmup 0.04 --draft-vocab-size 8192 --max-length 1536 --autocast auto \
+    "${BUDGET[@]}" --warmup 0.04 --draft-vocab-size 8192 --max-length 1536 --autocast auto \
     --eval-datasets gsm8k mbpp humaneval mt-bench --eval-prompts 10 --eval-max-new-tokens 64 --eval-interval 500 \
     --save-interval 100 --save-dtype bfloat16 --log-interval 20 --threads "$THREADS" --resume "${EXTRA[@]}"

@@ -439,3 +439,48 @@ def test_argmax_answers_what_torch_argmax_answers(kernel, monkeypatch):
     assert torch.equal(kernels.argmax(x), x.argmax(-1)) and torch.equal(kernels.argmax(x[0, 0]), x[0, 0].argmax(-1))
     assert torch.equal(kernels.argmax(x[..., ::2]), x[..., ::2].argmax(-1))  # a strided view
     assert torch.equal(kernels.argmax(torch.arange(5)), torch.tensor(4))  # integers: PyTorch's
+
+
+@needs_int4_kernel
+@needs_attention_kernel
+def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monkeypatch):
+    # a bf16 draft whose products run on the Q8_0 kernel runs its layers at inference in one decoder_layers call
+    # (DFlashDraftModel._layer_stack): bit for bit its Python layers with the attention in fp32 (PyTorch's bf16
+    # SDPA rounds the softmax weights to bf16; the kernel keeps them in fp32), ragged rows and all
+    from dflash import model as model_mod
+    from dflash.model import DFlashDraftModel, DraftKVCache
+    from tiny import tiny_target
+
+    for module in (model_mod, kernels):  # also where oneDNN packs bf16 (the draft's products then on Q8_0 too)
+        monkeypatch.setattr(module, "widens", lambda w: w.device.type == "cpu")
+    target = tiny_target("qwen3", seed=4).to(torch.bfloat16)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    T, B = 20, 4
+    feats = torch.randn(2, T, draft.fc.weight.shape[1], generator=g).bfloat16()
+    cache = DraftKVCache(draft.config, 2, 40, "cpu", torch.bfloat16)
+    cache.positions[:, :T] = torch.arange(T)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :6] = False  # a shorter row, left-padded
+    block = torch.tensor([[7] + [draft.config.mask_token_id] * (B - 1), [9] + [draft.config.mask_token_id] * (B - 1)])
+    pos = T + torch.arange(B).expand(2, B)
+    stack, sdpa = DFlashDraftModel._layer_stack, F.scaled_dot_product_attention
+
+    def python_layers():
+        with monkeypatch.context() as m:
+            m.setattr(DFlashDraftModel, "_layer_stack", lambda self: None)
+            m.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: sdpa(q.float(), k.float(), v.float(),
+                                                                                    **kw).to(q.dtype))
+            return draft(block, pos, cache, valid)
+    with torch.inference_mode():
+        draft.write_context(feats, cache, 0)
+        fused = draft(block, pos, cache, valid)
+        assert draft._stack is not None and torch.equal(fused, python_layers())
+        cache.keys[:, 1, :, :6], cache.values[:, 1, :, :6] = 100.0, -100.0  # the short row's unseen slots
+        assert torch.equal(draft(block, pos, cache, valid), fused)
+        draft.layers[1].mlp.down_proj.weight.mul_(-1.5)  # a weight changed in place: the stack is rebuilt
+        changed = draft(block, pos, cache, valid)
+        assert not torch.equal(changed, fused) and torch.equal(changed, python_layers())
+    assert stack is DFlashDraftModel._layer_stack
+    draft(block, pos, cache, valid).sum().backward()  # training: the Python layers, with gradients
+    assert draft.layers[0].mlp.down_proj.weight.grad is not None

@@ -714,6 +714,23 @@ def test_a_time_budget_sizes_the_schedule_once_and_resumes_with_it(lang, tmp_pat
               progress=False)
 
 
+def test_a_step_budget_spans_the_schedule_and_ends_the_run(lang, tmp_path):
+    target, tok, root = lang
+    kw = dict(epochs=50, save_interval=3, log_interval=1)
+    train(cfg_for(root, tmp_path / "run", schedule_steps=6, **kw), target=target, tokenizer=tok, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    steps = [e for e in log if "lr" in e]
+    assert steps[-1]["step"] == 6 and steps[-1]["lr"] < 1e-3 * steps[0]["lr"]  # annealed to 0 at the budget's end
+    state = torch.load(tmp_path / "run" / "checkpoint-0000006" / "trainer_state.pt", weights_only=False)
+    assert state["schedule"]["total_steps"] == 6
+    with pytest.raises(DFlashError, match="keeps its schedule"):  # another budget is another schedule
+        train(cfg_for(root, tmp_path / "run", schedule_steps=8, resume=True, **kw), target=target, tokenizer=tok,
+              progress=False)
+    with pytest.raises(DFlashError, match="not with --max-hours"):
+        train(cfg_for(root, tmp_path / "b", schedule_steps=8, max_hours=1.0, **kw), target=target, tokenizer=tok,
+              progress=False)
+
+
 def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
     import ablation_table

@@ -263,6 +263,8 @@ _TRAIN_HELP = {
     "max_steps": "stop after this many steps (schedule still spans all epochs)", "max_length": "tokens per sequence",
     "max_hours": "a time budget: the schedule spans the steps that fit, as its first steps measure (at most the "
                  "epochs'), for comparing recipes at equal wall-clock",
+    "schedule_steps": "a step budget: the schedule spans this many steps (at most the epochs'), for comparing "
+                      "recipes at equal compute on a machine whose speed drifts",
     "batch_size": "sequences per step per process", "grad_accum": "gradient accumulation",
     "grad_clip": "gradient norm clip (0 = off)", "dtype": "target dtype (auto: bf16 where bf16 products pay, else fp32)", "save_dtype": "dtype of saved drafts",
     "seed": "seed (data order, anchors, init)", "save_interval": "checkpoint every N steps",

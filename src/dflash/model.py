@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .compiled import compile_frozen
 from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, rope_settings
 from .errors import DFlashConfigError
-from .kernels import Linear, argmax, linear, proposal_weight
+from .kernels import Linear, Q8Weight, argmax, cache_attention_kernel, linear, proposal_weight, widens
 from .target import join_rows
 
 
@@ -290,6 +290,7 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("draft_vocab", None)
         self._head_cache = self._proposal_cache = None
         self._compiled = None  # see compiled()
+        self._stack = None  # see _layer_stack()
 
     def _apply(self, fn, recurse=True):
         # RoPE frequencies stay fp32 whatever dtype the draft is cast to: trained with fp32 frequencies, a bf16
@@ -517,11 +518,59 @@ class DFlashDraftModel(nn.Module):
         B = block_ids.shape[1]
         # every block slot sees all committed context and the whole block (sliding layers narrow this)
         visible = torch.cat([ctx_valid, ctx_valid.new_ones(b, B)], 1)[:, None, :]
-        masks = layer_masks(self.config, visible, block_pos, torch.cat([cache.positions[:, :T], block_pos], 1))
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        stack = self._layer_stack()
+        if stack is not None:
+            # the block's keys and values go to slots T..T+B of the draft cache, where the context written after
+            # this step lands: nothing reads them as context before that
+            cos, sin = self.rotary_emb(x, block_pos)
+            half = sin.shape[-1] // 2
+            sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # x*cos + roll(x, d/2)*sin is HF's RoPE
+            c = self.config
+            x, _ = torch.ops.dflash_attn.decoder_layers(
+                x, cos, sin, visible.expand(b, B, T + B).contiguous(), T, list(cache.keys), list(cache.values),
+                stack[1], [], c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5,
+                stack[2])
+            return self.norm(x)
+        masks = layer_masks(self.config, visible, block_pos, torch.cat([cache.positions[:, :T], block_pos], 1))
         return self.run_layers(x, block_pos,
                                [(cache.keys[i, :, :, :T], cache.values[i, :, :, :T]) for i in range(len(self.layers))],
                                masks)
+
+    def _layer_stack(self):
+        """(key, weights, op) for running the draft's layers at inference as one call of the attention kernel's
+        library (`decoder_layers` in csrc/cache_attention.cpp: norms, fused q/k/v product, q/k norms, RoPE,
+        attention, MLP, residuals, each row alone), or None where that does not apply. It applies where the layers'
+        products would run on dflash's Q8_0 kernel anyway (bf16 weights on a CPU without bf16 kernels, see
+        dflash.kernels.linear) and no layer has a sliding window: the same products, bitwise (q, k and v in one,
+        gate and up in one: each output computed alone), without the some forty small PyTorch ops of a layer.
+        The norms, SiLU and attention are the library's arithmetic, a rounding away from PyTorch's: proposals,
+        never the output. Rebuilt when a weight changes."""
+        w = self.fc.weight
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.dtype != torch.bfloat16 or w.is_cuda:
+            return None
+        params = list(self.layers.parameters())
+        key = tuple((id(p), p._version, p.data_ptr()) for p in params)
+        if self._stack is not None and self._stack[0] == key:
+            return self._stack
+        c = self.config
+        if (c.head_dim % 16 or c.hidden_size % 16 or SLIDING_ATTENTION in c.layer_types or
+                not all(widens(p) and Q8Weight.fits(p) for p in params if p.dim() == 2) or
+                not cache_attention_kernel()):
+            return None
+        weights = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = Q8Weight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            bqkv = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            o = Q8Weight(a.o_proj.weight)
+            gu = Q8Weight(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            down = Q8Weight(m.down_proj.weight)
+            weights += [layer.input_layernorm.weight, qkv.qweight, qkv.scales, bqkv, a.q_norm.weight,
+                        a.k_norm.weight, o.qweight, o.scales, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                        gu.qweight, gu.scales, None, down.qweight, down.scales, None]
+        self._stack = (key, weights, qkv.op.default._schema.name)
+        return self._stack
 
     def run_layers(self, x, x_pos, ctx_kv, masks) -> torch.Tensor:
         """The decoder stack over block states x [b, Q, H] at positions x_pos [b, Q], with each layer's context

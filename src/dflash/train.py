@@ -62,6 +62,9 @@ class TrainConfig:
     # a time budget instead of epochs: the schedule spans as many steps as the first CALIBRATION_STEPS say fit
     # (capped at the epochs'); for comparing recipes at equal wall-clock
     max_hours: float | None = None
+    # a step budget instead of epochs: the schedule spans this many steps (capped at the epochs'); for comparing
+    # recipes at equal compute where the machine's speed drifts (a time budget then sizes arms differently)
+    schedule_steps: int | None = None
     max_length: int = 3072
     batch_size: int = 1  # sequences per optimizer step per process (before accumulation)
     grad_accum: int = 1
@@ -375,6 +378,9 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
         raise DFlashError("no training data: pass one or more dataset folders (from `dflash regenerate`)")
     if not 0.0 <= cfg.distill <= 1.0:
         raise DFlashError(f"--distill {cfg.distill}: expected a weight in [0, 1]")
+    if cfg.schedule_steps is not None and (cfg.schedule_steps < 1 or cfg.max_hours is not None):
+        raise DFlashError(f"--schedule-steps {cfg.schedule_steps}: expected a step count >= 1, and not with "
+                          "--max-hours (a budget in steps or in time, not both)")
     if cfg.distill and (cfg.method == "eagle3" or cfg.features):
         raise DFlashError("--distill learns from the target's logits, which " + (
             "the EAGLE-3-style trainer does not take" if cfg.method == "eagle3" else
@@ -458,6 +464,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     global_batch = cfg.batch_size * cfg.grad_accum * world
     steps_per_epoch = max(1, len(train_idx) // global_batch)
     total_steps = steps_per_epoch * cfg.epochs
+    if cfg.schedule_steps:
+        total_steps = min(total_steps, cfg.schedule_steps)
     schedule = lr_schedule(cfg, total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(schedule, i))
     step = 0
