@@ -43,7 +43,8 @@ def step_args(option: tuple[str, int], found: list[tuple[int, list[int]]] | None
 
 
 # Rows of logits that cost about one row's time on a CPU: the output layer streams its whole weight for a few
-# rows (SmolLM2-135M's Q8_0 head on an AVX2 EPYC, 2 threads: 1.5 / 1.5 / 1.9 / 3.4 ms for 1 / 2 / 4 / 8 rows)
+# rows (SmolLM2-135M's Q8_0 head on an AVX2 EPYC, 2 threads, benchmarks/linear_rows.py: 1.5 / 1.5 / 1.9 / 3.4 ms
+# for 1 / 2 / 4 / 8 rows)
 HEAD_ROWS_AT_ONE_ROW_COST = 4
 
 
@@ -52,9 +53,10 @@ def read_choices(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     """The target's argmax after every node that greedy verification reads, 0 after the others (a node whose
     parent was not read is never accepted, and a token id keeps the choices a valid input for the chain
     drafter's cache entries, which past the kept slots are never read): the output layer (`head`) runs on the
-    first `first` nodes of every row, and on the rest only for the rows whose accepted path goes on past them. hidden: [L, N, H] the nodes' final-normed states; tokens, parent: [L, N]
-    (a chain is a tree whose node j's parent is j - 1); alive: [L, N] real nodes (None: all). The head computes
-    each row alone (dflash's kernels), so the choices read are the bits a full head would give."""
+    first `first` nodes of every row, and on the rest only for the rows whose accepted path goes on past them.
+    hidden: [L, N, H] the nodes' final-normed states; tokens, parent: [L, N] (a chain is a tree whose node j's
+    parent is j - 1); alive: [L, N] real nodes (None: all). The head computes each row alone (dflash's kernels),
+    so the choices read are the bits a full head would give."""
     L, N = tokens.shape
     # fewer rows than the head's cost floor gain nothing from waiting
     first = N if L * N <= HEAD_ROWS_AT_ONE_ROW_COST else min(N, max(first, -(-HEAD_ROWS_AT_ONE_ROW_COST // L)))
