@@ -367,6 +367,7 @@ class FastForward:
         x = self.norm(self.final_norm, x)
         return (self.logits(x) if head else x), taps
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [..., H] -> logits [..., V]."""
         return _linear(hidden, self.head_weight, self.head_bias)
