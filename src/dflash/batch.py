@@ -17,7 +17,7 @@ from .model import DFlashDraftModel, DraftKVCache
 from .ngram import NgramDraft
 from .fast import make_adapter
 from .kernels import argmax
-from .tree import accept, build_trees
+from .tree import accept, accepted_nodes, build_trees
 
 
 @dataclass
@@ -64,12 +64,9 @@ def read_choices(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Ten
     choice[:, :first] = argmax(head(hidden[:, :first]))
     if first == N:
         return choice
-    ok = (tokens == choice.gather(1, parent)) & (parent < first)  # a node whose parent was not read: not yet
-    if alive is not None:
-        ok &= alive
-    ok[:, 0] = True
-    for _ in range(max_depth):  # accepted: the whole ancestry matched
-        ok = ok & ok.gather(1, parent)
+    # a node past the first ones may count as accepted by an unread parent's placeholder choice, but only below a
+    # node past them that is accepted for real (its first ancestor past them has a read parent): the same rows
+    ok = accepted_nodes(tokens, parent, alive, choice, max_depth)
     rows = ok[:, first:].any(1).nonzero()[:, 0].tolist()  # the host decides: free on a CPU
     if rows:
         index = torch.tensor(rows, device=tokens.device)

@@ -115,15 +115,24 @@ def build_trees(anchors: list[int], top_ids: list[list[list[int]]], top_logp: li
                  [t.source for t in trees], [t.rank for t in trees])
 
 
+def accepted_nodes(tokens: torch.Tensor, parent: torch.Tensor, alive: torch.Tensor | None, choice: torch.Tensor,
+                   max_depth: int) -> torch.Tensor:
+    """[L, N] whether each node is accepted: it and every ancestor below the root is the target's choice after
+    its parent (choice [L, N]: the target's token after every node; alive: real nodes, None: all)."""
+    ok = tokens == choice.gather(1, parent)
+    if alive is not None:
+        ok &= alive
+    ok[:, 0] = True
+    for _ in range(max_depth):  # a node is accepted when its whole ancestry is
+        ok = ok & ok.gather(1, parent)
+    return ok
+
+
 def accept(trees: Trees, choice: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The longest path of each row whose every node is the target's choice after its parent.
     choice: [L, N] the target's own token after every node. Returns (path [L, max_depth + 1] node indices from the
     root, padded by repeating the last; accepted [L] its number of accepted draft nodes)."""
-    matched = (trees.tokens == choice.gather(1, trees.parent)) & trees.alive
-    matched[:, 0] = True
-    ok = matched
-    for _ in range(max_depth):  # a node is accepted when its whole ancestry is
-        ok = ok & ok.gather(1, trees.parent)
+    ok = accepted_nodes(trees.tokens, trees.parent, trees.alive, choice, max_depth)
     deepest = torch.where(ok, trees.depth, -1).argmax(1)  # siblings hold distinct tokens: one path per depth
     accepted = trees.depth.gather(1, deepest[:, None])[:, 0]
     # walk up from the deepest node; row r's path is path[r, :accepted[r] + 1]
