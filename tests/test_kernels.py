@@ -445,8 +445,9 @@ def test_argmax_answers_what_torch_argmax_answers(kernel, monkeypatch):
 @needs_attention_kernel
 def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monkeypatch):
     # a bf16 draft whose products run on the Q8_0 kernel runs its layers at inference in one decoder_layers call
-    # (DFlashDraftModel._layer_stack): bit for bit its Python layers with the attention in fp32 (PyTorch's bf16
-    # SDPA rounds the softmax weights to bf16; the kernel keeps them in fp32), ragged rows and all
+    # and writes its context in one context_kv call (DFlashDraftModel._layer_stack): bit for bit its Python layers
+    # with the attention in fp32 (PyTorch's bf16 SDPA rounds the softmax weights to bf16; the kernel keeps them
+    # in fp32), ragged rows and all
     from dflash import model as model_mod
     from dflash.model import DFlashDraftModel, DraftKVCache
     from tiny import tiny_target
@@ -473,9 +474,20 @@ def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monk
                                                                                     **kw).to(q.dtype))
             return draft(block, pos, cache, valid)
     with torch.inference_mode():
-        draft.write_context(feats, cache, 0)
+        # the context write in one call (context_kv) fills the cache with the Python path's bits, written in two
+        # parts at rows whose positions differ
+        cache.positions[1, :T] += 3
+        python_cache = DraftKVCache(draft.config, 2, 40, "cpu", torch.bfloat16)
+        python_cache.positions[:] = cache.positions
+        for part in (slice(0, 7), slice(7, T)):
+            draft.write_context(feats[:, part], cache, part.start)
+            with monkeypatch.context() as m:
+                m.setattr(DFlashDraftModel, "_layer_stack", lambda self: None)
+                draft.write_context(feats[:, part], python_cache, part.start)
+        assert draft._stack is not None and cache.keys[:, :, :, :T].abs().sum() > 0
+        assert torch.equal(cache.keys, python_cache.keys) and torch.equal(cache.values, python_cache.values)
         fused = draft(block, pos, cache, valid)
-        assert draft._stack is not None and torch.equal(fused, python_layers())
+        assert torch.equal(fused, python_layers())
         cache.keys[:, 1, :, :6], cache.values[:, 1, :, :6] = 100.0, -100.0  # the short row's unseen slots
         assert torch.equal(draft(block, pos, cache, valid), fused)
         draft.layers[1].mlp.down_proj.weight.mul_(-1.5)  # a weight changed in place: the stack is rebuilt

@@ -502,6 +502,13 @@ class DFlashDraftModel(nn.Module):
             return
         # one slot (a single plain step since the last write) runs eagerly: torch.compile specialises a size
         # of 1, and a graph for it would cost a compile for one small product
+        stack = None if compile else self._layer_stack()
+        if stack is not None:
+            x = target_features.to(self.fc.weight.dtype)
+            cos, sin = self._rope_tables(x, cache.positions[:, slot:slot + n])
+            torch.ops.dflash_attn.context_kv(x, cos, sin, slot, list(cache.keys), list(cache.values), stack[3],
+                                             self.config.num_key_value_heads, self.config.rms_norm_eps, stack[2])
+            return
         context_kv = self.compiled()[1] if compile and n > 1 else self.context_kv
         for i, (k, v) in enumerate(context_kv(target_features, cache.positions[:, slot:slot + n])):
             cache.keys[i, :, :, slot:slot + n] = k
@@ -523,9 +530,7 @@ class DFlashDraftModel(nn.Module):
         if stack is not None:
             # the block's keys and values go to slots T..T+B of the draft cache, where the context written after
             # this step lands: nothing reads them as context before that
-            cos, sin = self.rotary_emb(x, block_pos)
-            half = sin.shape[-1] // 2
-            sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # x*cos + roll(x, d/2)*sin is HF's RoPE
+            cos, sin = self._rope_tables(x, block_pos)
             c = self.config
             x, _ = torch.ops.dflash_attn.decoder_layers(
                 x, cos, sin, visible.expand(b, B, T + B).contiguous(), T, list(cache.keys), list(cache.values),
@@ -537,11 +542,19 @@ class DFlashDraftModel(nn.Module):
                                [(cache.keys[i, :, :, :T], cache.values[i, :, :, :T]) for i in range(len(self.layers))],
                                masks)
 
+    def _rope_tables(self, x, positions):
+        """cos, sin [b, n, head_dim] in x's dtype for the library's RoPE, which takes sin with its first half
+        negated (x*cos + roll(x, d/2)*sin is HF's rotate_half form)."""
+        cos, sin = self.rotary_emb(x, positions)
+        half = sin.shape[-1] // 2
+        return cos, torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
     def _layer_stack(self):
-        """(key, weights, op) for running the draft's layers at inference as one call of the attention kernel's
-        library (`decoder_layers` in csrc/cache_attention.cpp: norms, fused q/k/v product, q/k norms, RoPE,
-        attention, MLP, residuals, each row alone), or None where that does not apply. It applies where the layers'
-        products would run on dflash's Q8_0 kernel anyway (bf16 weights on a CPU without bf16 kernels, see
+        """(key, weights, op, context weights) for running the draft at inference through the attention kernel's
+        library: its layers as one `decoder_layers` call (norms, fused q/k/v product, q/k norms, RoPE, attention,
+        MLP, residuals, each row alone) and its context write as one `context_kv` call (fc, hidden_norm, each
+        layer's fused k/v product, k_norm, RoPE, into the cache); None where that does not apply. It applies where
+        the products would run on dflash's Q8_0 kernel anyway (bf16 weights on a CPU without bf16 kernels, see
         dflash.kernels.linear) and no layer has a sliding window: the same products, bitwise (q, k and v in one,
         gate and up in one: each output computed alone), without the some forty small PyTorch ops of a layer.
         The norms, SiLU and attention are the library's arithmetic, a rounding away from PyTorch's: proposals,
@@ -549,7 +562,7 @@ class DFlashDraftModel(nn.Module):
         w = self.fc.weight
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.dtype != torch.bfloat16 or w.is_cuda:
             return None
-        params = list(self.layers.parameters())
+        params = list(self.parameters())
         key = tuple((id(p), p._version, p.data_ptr()) for p in params)
         if self._stack is not None and self._stack[0] == key:
             return self._stack
@@ -569,7 +582,14 @@ class DFlashDraftModel(nn.Module):
             weights += [layer.input_layernorm.weight, qkv.qweight, qkv.scales, bqkv, a.q_norm.weight,
                         a.k_norm.weight, o.qweight, o.scales, a.o_proj.bias, layer.post_attention_layernorm.weight,
                         gu.qweight, gu.scales, None, down.qweight, down.scales, None]
-        self._stack = (key, weights, qkv.op.default._schema.name)
+        fc = Q8Weight(self.fc.weight)
+        context = [fc.qweight, fc.scales, None, self.hidden_norm.weight]
+        for layer in self.layers:
+            a = layer.self_attn
+            kv = Q8Weight(torch.cat([a.k_proj.weight, a.v_proj.weight]))
+            context += [kv.qweight, kv.scales, None if a.k_proj.bias is None else torch.cat([a.k_proj.bias, a.v_proj.bias]),
+                        a.k_norm.weight]
+        self._stack = (key, weights, qkv.op.default._schema.name, context)
         return self._stack
 
     def run_layers(self, x, x_pos, ctx_kv, masks) -> torch.Tensor:

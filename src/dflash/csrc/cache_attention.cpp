@@ -545,6 +545,67 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   return {x.view({b, nq, H}), tapped};
 }
 
+// ---- context_kv: a DFlash draft's context write in one call ----
+// Every step hands the draft the target's features of the tokens just committed, and each draft layer gets them
+// as keys and values: ctx = hidden_norm(fc(features)), then per layer k = RoPE(k_norm(k_proj(ctx))) and
+// v = v_proj(ctx), written at slots pointer.. of that layer's cache. The Python path (DFlashDraftModel.context_kv)
+// spends some forty small PyTorch ops on a few rows; here they are the same arithmetic op for op, as
+// decoder_layers does it (norm_row, rope_row, the products through the dispatcher, k and v in one product).
+// weights: fc (q, scales, bias), hidden_norm, then per layer k|v (q, scales, bias) and k_norm.
+enum CW { kFc, kFcS, kFcB, kHiddenNorm, kCtxHead };
+enum LW { kKv, kKvS, kKvB, kKvNorm, kCtxPerLayer };
+
+void context_kv(const at::Tensor& feats, const at::Tensor& cos, const at::Tensor& sin, int64_t pointer,
+                at::TensorList keys, at::TensorList values, const c10::List<std::optional<at::Tensor>>& weights,
+                int64_t kv_heads, double eps_d, c10::string_view linear) {
+  const int64_t L = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(feats.dim() == 3 && feats.scalar_type() == at::kBFloat16 && feats.device().is_cpu(),
+              "context_kv: features must be a bf16 CPU tensor [b, n, F], got ", feats.sizes(), " ", feats.scalar_type());
+  TORCH_CHECK(values.size() == keys.size() && static_cast<int64_t>(weights.size()) == kCtxHead + L * kCtxPerLayer,
+              "context_kv: ", L, " layers' caches need ", kCtxHead + L * kCtxPerLayer, " weights");
+  const int64_t b = feats.size(0), n = feats.size(1), M = b * n, d = cos.size(-1);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == M * d && cos.scalar_type() == at::kBFloat16 &&
+                  sin.scalar_type() == at::kBFloat16 && d % kLanes == 0,
+              "context_kv: cos and sin must be bf16 [b, n, head_dim], head_dim a multiple of 16");
+  for (int64_t i = 0; i < L; ++i)
+    TORCH_CHECK(keys[i].scalar_type() == at::kBFloat16 && values[i].scalar_type() == at::kBFloat16 &&
+                    keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].dim() == 4 &&
+                    keys[i].size(0) >= b && keys[i].size(1) == kv_heads && keys[i].size(2) >= pointer + n &&
+                    keys[i].size(3) == d && values[i].sizes() == keys[i].sizes(),
+                "context_kv: layer ", i, "'s cache must be contiguous bf16 [>= b, kv_heads, >= pointer + n, d]");
+  if (M == 0) return;
+  const LinearOp op = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow(std::string(linear).c_str(), "")
+                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  const float eps = static_cast<float>(eps_d);
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const uint16_t *cp = bits(cos_c), *sp = bits(sin_c);
+  at::Tensor ctx = product(op, feats.reshape({M, feats.size(2)}).contiguous(), weights.get(kFc), weights.get(kFcS),
+                           weights.get(kFcB));  // [M, H]
+  const int64_t H = ctx.size(1);
+  TORCH_CHECK(H % kLanes == 0, "context_kv: hidden size must be a multiple of 16");
+  uint16_t* xp = bits(ctx);
+  for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*weights.get(kHiddenNorm)), xp + m * H, H, eps);
+  std::vector<uint16_t> normed(d);
+  for (int64_t li = 0; li < L; ++li) {
+    const auto w = [&](LW k) { return weights.get(kCtxHead + li * kCtxPerLayer + k); };
+    const at::Tensor kv = product(op, ctx, w(kKv), w(kKvS), w(kKvB));  // [M, 2 kv_heads d]: keys, then values
+    const uint16_t* kvp = bits(kv);
+    uint16_t* kc = bits(const_cast<at::Tensor&>(keys[li]));
+    uint16_t* vc = bits(const_cast<at::Tensor&>(values[li]));
+    const int64_t cap = keys[li].size(2), kvs = kv_heads * cap * d;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t bi = m / n, t = m % n;
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        norm_row(kvp + m * 2 * kv_heads * d + g * d, bits(*w(kKvNorm)), normed.data(), d, eps);
+        rope_row(normed.data(), cp + m * d, sp + m * d, kc + bi * kvs + (g * cap + pointer + t) * d, d);
+        const uint16_t* value = kvp + m * 2 * kv_heads * d + (kv_heads + g) * d;
+        std::copy(value, value + d, vc + bi * kvs + (g * cap + pointer + t) * d);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 // A value's bits as an int32 whose signed order is the values' order (-0 counted as +0, every NaN above +inf)
@@ -620,6 +681,8 @@ TORCH_LIBRARY(dflash_attn, m) {
   m.def("decoder_layers(Tensor x, Tensor cos, Tensor sin, Tensor visible, int pointer, Tensor(a!)[] keys, "
         "Tensor(b!)[] values, Tensor?[] weights, int[] taps, int heads, int kv_heads, float eps, float scale, "
         "str linear) -> (Tensor, Tensor[])");
+  m.def("context_kv(Tensor x, Tensor cos, Tensor sin, int pointer, Tensor(a!)[] keys, Tensor(b!)[] values, "
+        "Tensor?[] weights, int kv_heads, float eps, str linear) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
@@ -628,4 +691,5 @@ TORCH_LIBRARY_IMPL(dflash_attn, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("context_kv", &context_kv);
 }
