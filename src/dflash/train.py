@@ -181,7 +181,7 @@ class FeatureStore:
             raise DFlashError(f"no features manifest in {folder} (run `dflash features` first)")
         self.manifest = json.loads(path.read_text())
         self.chunk = self.manifest["chunk"]
-        self._open: tuple[int, dict] | None = None
+        self._shards: dict[int, object] = {}  # open shards, read one record at a time
 
     def check(self, layer_ids, fingerprint):
         if self.manifest["target_layer_ids"] != list(layer_ids):
@@ -196,12 +196,14 @@ class FeatureStore:
                               "rerun `dflash features` to finish them")
 
     def get(self, idx: int) -> torch.Tensor:
-        from safetensors.torch import load_file
+        # one record out of its shard (memory-mapped): training visits records in random order, and loading a
+        # whole shard (64 records, ~100 MB) for each would cost more than the target forward it replaces
+        from safetensors import safe_open
 
         s = idx - idx % self.chunk
-        if self._open is None or self._open[0] != s:
-            self._open = (s, load_file(str(self.folder / f"features-{s:07d}.safetensors")))
-        return self._open[1][str(idx)]
+        if s not in self._shards:
+            self._shards[s] = safe_open(str(self.folder / f"features-{s:07d}.safetensors"), framework="pt")
+        return self._shards[s].get_tensor(str(idx))
 
 
 def frequent_tokens(records: list[dict], n: int) -> list[int]:
