@@ -496,3 +496,38 @@ def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monk
     assert stack is DFlashDraftModel._layer_stack
     draft(block, pos, cache, valid).sum().backward()  # training: the Python layers, with gradients
     assert draft.layers[0].mlp.down_proj.weight.grad is not None
+
+
+@needs_int4_kernel
+@needs_attention_kernel
+def test_a_drafts_context_write_in_one_call_adds_its_biases(monkeypatch):
+    # a draft with attention biases (a config may ask for them): context_kv adds the k/v biases as the Python
+    # path's products do
+    import copy
+
+    from dflash import model as model_mod
+    from dflash.model import DFlashDraftModel, DraftKVCache
+    from tiny import tiny_target
+
+    for module in (model_mod, kernels):
+        monkeypatch.setattr(module, "widens", lambda w: w.device.type == "cpu")
+    target = tiny_target("qwen3", seed=4).to(torch.bfloat16)
+    config = copy.deepcopy(DFlashDraftModel.from_target(target, num_layers=2, block_size=4).config)
+    config.attention_bias = True
+    torch.manual_seed(0)
+    draft = DFlashDraftModel(config)
+    draft.bind(target)
+    for name, p in draft.named_parameters():
+        if name.endswith("bias"):
+            p.data.normal_()
+    draft.to(torch.bfloat16)
+    feats = torch.randn(2, 9, draft.fc.weight.shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
+    caches = [DraftKVCache(draft.config, 2, 16, "cpu", torch.bfloat16) for _ in range(2)]
+    for cache in caches:
+        cache.positions[:, :9] = torch.arange(9)
+    with torch.inference_mode():
+        draft.write_context(feats, caches[0], 0)
+        assert draft._stack is not None
+        monkeypatch.setattr(DFlashDraftModel, "_layer_stack", lambda self: None)
+        draft.write_context(feats, caches[1], 0)
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)

@@ -500,8 +500,6 @@ class DFlashDraftModel(nn.Module):
         n = target_features.shape[1]
         if n == 0:
             return
-        # one slot (a single plain step since the last write) runs eagerly: torch.compile specialises a size
-        # of 1, and a graph for it would cost a compile for one small product
         stack = None if compile else self._layer_stack()
         if stack is not None:
             x = target_features.to(self.fc.weight.dtype)
@@ -509,6 +507,8 @@ class DFlashDraftModel(nn.Module):
             torch.ops.dflash_attn.context_kv(x, cos, sin, slot, list(cache.keys), list(cache.values), stack[3],
                                              self.config.num_key_value_heads, self.config.rms_norm_eps, stack[2])
             return
+        # one slot (a single plain step since the last write) runs eagerly: torch.compile specialises a size
+        # of 1, and a graph for it would cost a compile for one small product
         context_kv = self.compiled()[1] if compile and n > 1 else self.context_kv
         for i, (k, v) in enumerate(context_kv(target_features, cache.positions[:, slot:slot + n])):
             cache.keys[i, :, :, slot:slot + n] = k
@@ -571,7 +571,8 @@ class DFlashDraftModel(nn.Module):
                 not all(widens(p) and Q8Weight.fits(p) for p in params if p.dim() == 2) or
                 not cache_attention_kernel()):
             return None
-        weights = []
+        fc = Q8Weight(self.fc.weight)
+        weights, context = [], [fc.qweight, fc.scales, None, self.hidden_norm.weight]
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = Q8Weight(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
@@ -582,13 +583,8 @@ class DFlashDraftModel(nn.Module):
             weights += [layer.input_layernorm.weight, qkv.qweight, qkv.scales, bqkv, a.q_norm.weight,
                         a.k_norm.weight, o.qweight, o.scales, a.o_proj.bias, layer.post_attention_layernorm.weight,
                         gu.qweight, gu.scales, None, down.qweight, down.scales, None]
-        fc = Q8Weight(self.fc.weight)
-        context = [fc.qweight, fc.scales, None, self.hidden_norm.weight]
-        for layer in self.layers:
-            a = layer.self_attn
             kv = Q8Weight(torch.cat([a.k_proj.weight, a.v_proj.weight]))
-            context += [kv.qweight, kv.scales, None if a.k_proj.bias is None else torch.cat([a.k_proj.bias, a.v_proj.bias]),
-                        a.k_norm.weight]
+            context += [kv.qweight, kv.scales, None if bqkv is None else bqkv[a.q_proj.weight.shape[0]:], a.k_norm.weight]
         self._stack = (key, weights, qkv.op.default._schema.name, context)
         return self._stack
 
