@@ -17,7 +17,7 @@ from dflash.model import DraftKVCache, layer_masks
 from dflash.dataset import read_dataset
 from dflash.regenerate import RegenerateConfig, regenerate
 from dflash.train import (DFlashTrainStep, TrainConfig, block_inputs, compute_features, loss_weights,
-                          sample_anchors, target_features, train, valid_anchors)
+                          sample_anchors, target_features, target_topk, train, valid_anchors)
 from structured import make_tokenizer, trained_target, write_prompts
 from tiny import tiny_target
 
@@ -234,6 +234,13 @@ def test_distillation_learns_each_slot_from_the_targets_distribution_at_the_posi
                 num += w * (0.7 * -logq[ids[a + k] - 3] + 0.3 * -(p * logq).sum())
                 den += w
         assert torch.allclose(got, num / den, atol=1e-5)
+        # the target's top tokens (--distill-topk): all of them is the whole distribution; a few, the
+        # distribution over those alone, renormalised within the draft vocabulary
+        assert torch.allclose(step(feats, ids, loss_mask, anchors, target_topk(logits, 96))[0], got, atol=1e-5)
+        top, logp = target_topk(logits, 4)
+        kept = torch.full_like(logits, -float("inf")).scatter(1, top, logp)
+        assert torch.allclose(step(feats, ids, loss_mask, anchors, (top, logp))[0],
+                              step(feats, ids, loss_mask, anchors, kept.clamp(min=-1e30))[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("distill", [0.0, 0.5])
@@ -441,9 +448,24 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     with pytest.raises(DFlashError, match="cached features \\(--features\\) do not hold"):
         train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), distill=0.5, **kw), target=target,
               tokenizer=tok, progress=False)
+    with pytest.raises(DFlashError, match="hold the target's top 0 tokens, not the top 3"):
+        train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), distill=0.5, distill_topk=3, **kw),
+              target=target, tokenizer=tok, progress=False)
     with pytest.raises(DFlashError, match="tap layers"):
         train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), target_layer_ids=[0], **kw),
               target=target, tokenizer=tok, progress=False)
+    # distillation from the target's top tokens: cached beside the features, the same training as live
+    compute_features(target, records, ids, tmp_path / "feats-top", max_length=3072, dtype="float32", chunk=10,
+                     progress=False, distill_topk=3)
+    kw.update(distill=0.5, distill_topk=3)
+    train(cfg_for(root, tmp_path / "live-top", **kw), target=target, tokenizer=tok, progress=False)
+    train(cfg_for(root, tmp_path / "cached-top", features=str(tmp_path / "feats-top"), **kw), target=target,
+          tokenizer=tok, progress=False)
+    c = DFlashDraftModel.from_pretrained(tmp_path / "live-top" / "final")
+    d = DFlashDraftModel.from_pretrained(tmp_path / "cached-top" / "final")
+    for k, v in c.state_dict().items():
+        assert torch.allclose(v, d.state_dict()[k], atol=1e-6), k
+    assert not torch.allclose(c.fc.weight, a.fc.weight, atol=1e-4)  # the distilled run learnt otherwise
 
 
 DIST_SCRIPT = r"""

@@ -257,7 +257,9 @@ _TRAIN_HELP = {
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",
     "num_anchors": "anchors (blocks) per sequence", "gamma": "loss decay exp(-(k-1)/gamma); None = 7*(B-1)/15",
     "distill": "weight of the target's own next-token distribution in the loss, 0..1 (the rest: its tokens); "
-               "needs the target's forward, so no --features",
+               "needs the target's forward, or --features cached with --distill-topk",
+    "distill_topk": "distill from the target's K most probable tokens only (0: its whole distribution); "
+                    "`dflash features --distill-topk K` caches them",
     "lr": "peak learning rate (AdamW)", "warmup": "warm-up fraction of all steps (then cosine decay)",
     "weight_decay": "AdamW weight decay", "epochs": "passes over the data",
     "max_steps": "stop after this many steps (schedule still spans all epochs)", "max_length": "tokens per sequence",
@@ -313,7 +315,8 @@ def _train_parsers(sub, fmt):
                         "so `dflash train --features DIR` skips the target forward (resumable).")
     fe.add_argument("--config", default=None, help="YAML file (the training config works)")
     _add_train_options(fe, only={"target", "data", "features", "num_layers", "target_layer_ids",
-                                 "num_target_features", "max_length", "dtype", "device", "threads"})
+                                 "num_target_features", "max_length", "dtype", "device", "threads",
+                                 "distill_topk"})
 
 
 def _train_config(args):
@@ -359,7 +362,8 @@ def cmd_features(args) -> int:
     n_layers = target.config.get_text_config().num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(n_layers, cfg.num_target_features or cfg.num_layers)
     records = read_dataset(cfg.data, tokenizer)
-    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=dtype)
+    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=dtype,
+                     distill_topk=cfg.distill_topk)
     print(json.dumps({"features": cfg.features, "records": len(records), "target_layer_ids": ids}))
     return 0
 

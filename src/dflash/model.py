@@ -711,7 +711,9 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
 
     distill > 0 mixes in the cross-entropy against the target's own next-token distribution: row r learns from
     softmax(target_logits[positions[r]]) (target_logits [T, V], positions [...]), with weight distill, and from its
-    label with weight 1 - distill. With a draft vocabulary the target's distribution is renormalised over it."""
+    label with weight 1 - distill. target_logits may instead be the target's top tokens (ids [T, K], log-probs
+    [T, K]: dflash.train.target_topk): the distribution over those alone. With a draft vocabulary the target's
+    distribution is renormalised over it."""
     counted = labels != -100
     if d.draft_vocab is None:
         keep = counted
@@ -729,8 +731,19 @@ def head_loss(d, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     if distill:
         if target_logits is None or positions is None:
             raise ValueError("distill > 0 needs the target's logits and each row's position")
-        t = target_logits if rows is None else target_logits[:, rows.to(target_logits.device)]
-        soft = (torch.softmax(t.float(), -1), positions[keep])  # [T, V'] probabilities; each kept row's position
+        if isinstance(target_logits, tuple):
+            # the target's top tokens: their probabilities in place ([T, V'], 0 elsewhere), renormalised
+            ids, logp = target_logits
+            p = logp.float().exp()
+            if rows is not None:
+                ids = index.to(ids.device)[ids]
+                p, ids = torch.where(ids >= 0, p, 0.0), ids.clamp(min=0)
+            probs = p.new_zeros(p.shape[0], weight.shape[0]).scatter_add_(1, ids, p)
+            probs = probs / probs.sum(-1, keepdim=True).clamp(min=torch.finfo(probs.dtype).tiny)
+        else:
+            t = target_logits if rows is None else target_logits[:, rows.to(target_logits.device)]
+            probs = torch.softmax(t.float(), -1)
+        soft = (probs, positions[keep])  # [T, V'] probabilities; each kept row's position
     w = torch.ones_like(labels, dtype=torch.float32) if weights is None else weights
     w = w[keep]
     ce_sum, predicted = _weighted_ce(hidden[keep].to(weight.dtype), weight, bias, labels[keep], w, soft, distill)

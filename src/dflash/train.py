@@ -53,6 +53,9 @@ class TrainConfig:
     num_anchors: int = 512
     gamma: float | None = None  # None: 7 for B=16, scaled with B otherwise
     distill: float = 0.0  # weight of the target's own next-token distribution in the loss (rest: its tokens)
+    # 0: that distribution in full, from the target's forward at every step; K: its K most probable tokens,
+    # renormalised, which `dflash features --distill-topk K` caches beside the features
+    distill_topk: int = 0
     ttt_steps: int | None = None  # eagle3: chain steps unrolled in training (None: block_size - 1)
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of all steps
@@ -151,7 +154,7 @@ class DFlashTrainStep(nn.Module):
 
     def forward(self, features, input_ids, loss_mask, anchors, target_logits=None):
         """Weighted loss of one sequence, and (correct, counted) predictions per block slot. target_logits [T, V]:
-        the target's next-token logits over the sequence, for distillation."""
+        the target's next-token logits over the sequence, for distillation (or its top tokens: target_topk)."""
         d = self.draft
         block_ids, block_pos, labels = block_inputs(input_ids.cpu(), loss_mask.cpu(), anchors.cpu(),
                                                     d.config.block_size, d.config.mask_token_id)
@@ -183,7 +186,11 @@ class FeatureStore:
         self.chunk = self.manifest["chunk"]
         self._shards: dict[int, object] = {}  # open shards, read one record at a time
 
-    def check(self, layer_ids, fingerprint):
+    def check(self, layer_ids, fingerprint, distill_topk: int = 0):
+        if distill_topk and self.manifest.get("distill_topk") != distill_topk:
+            raise DFlashError(f"features in {self.folder} hold the target's top {self.manifest.get('distill_topk', 0)} "
+                              f"tokens, not the top {distill_topk} that --distill-topk asks for (dflash features "
+                              f"--distill-topk {distill_topk} into another folder)")
         if self.manifest["target_layer_ids"] != list(layer_ids):
             raise DFlashError(f"features in {self.folder} tap layers {self.manifest['target_layer_ids']}, "
                               f"the draft needs {list(layer_ids)}")
@@ -204,6 +211,12 @@ class FeatureStore:
         if s not in self._shards:
             self._shards[s] = safe_open(str(self.folder / f"features-{s:07d}.safetensors"), framework="pt")
         return self._shards[s].get_tensor(str(idx))
+
+    def get_topk(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top tokens after every position of record idx: ids [T, K] and log-probabilities [T, K]."""
+        self.get(idx)  # opens the shard
+        shard = self._shards[idx - idx % self.chunk]
+        return shard.get_tensor(f"{idx}.ids").long(), shard.get_tensor(f"{idx}.logp")
 
 
 def frequent_tokens(records: list[dict], n: int) -> list[int]:
@@ -233,8 +246,17 @@ def dataset_fingerprint(records: list[dict], max_length: int) -> str:
     return h.hexdigest()[:16]
 
 
-def compute_features(target, records, layer_ids, output, *, max_length, dtype, chunk=64, progress=True):
-    """Writes every record's target features to `output` (resumable, one atomic shard per chunk)."""
+def target_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most probable next tokens after every position, ids [T, k] and log-probabilities [T, k] (fp32),
+    from the target's logits [T, V]: what a distilled draft learns from with --distill-topk."""
+    logp, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    return ids, logp
+
+
+def compute_features(target, records, layer_ids, output, *, max_length, dtype, chunk=64, progress=True,
+                     distill_topk: int = 0):
+    """Writes every record's target features to `output` (resumable, one atomic shard per chunk); with
+    distill_topk, also the target's top tokens after every position (target_topk)."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -245,6 +267,8 @@ def compute_features(target, records, layer_ids, output, *, max_length, dtype, c
     fp = dataset_fingerprint(records, max_length)
     manifest = {"target_layer_ids": list(layer_ids), "fingerprint": fp, "num_records": len(records),
                 "chunk": chunk, "max_length": max_length, "dtype": dtype}
+    if distill_topk:
+        manifest["distill_topk"] = distill_topk
     mpath = out / "manifest.json"
     if mpath.is_file():
         old = json.loads(mpath.read_text())
@@ -259,7 +283,13 @@ def compute_features(target, records, layer_ids, output, *, max_length, dtype, c
         tensors = {}
         for i in range(s, min(s + chunk, len(records))):
             ids = torch.tensor(records[i]["input_ids"][:max_length])
-            tensors[str(i)] = target_features(target, layer_ids, ids).to(getattr(torch, dtype)).cpu().contiguous()
+            if distill_topk:
+                feats, logits = target_features(target, layer_ids, ids, with_logits=True)
+                top, logp = target_topk(logits, distill_topk)
+                tensors[f"{i}.ids"], tensors[f"{i}.logp"] = top.int().cpu().contiguous(), logp.cpu().contiguous()
+            else:
+                feats = target_features(target, layer_ids, ids)
+            tensors[str(i)] = feats.to(getattr(torch, dtype)).cpu().contiguous()
             bar.update(1)
         with atomic_path(out / f"features-{s:07d}.safetensors") as tmp:
             save_file(tensors, tmp)
@@ -383,10 +413,14 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     if cfg.schedule_steps is not None and (cfg.schedule_steps < 1 or cfg.max_hours is not None):
         raise DFlashError(f"--schedule-steps {cfg.schedule_steps}: expected a step count >= 1, and not with "
                           "--max-hours (a budget in steps or in time, not both)")
-    if cfg.distill and (cfg.method == "eagle3" or cfg.features):
-        raise DFlashError("--distill learns from the target's logits, which " + (
-            "the EAGLE-3-style trainer does not take" if cfg.method == "eagle3" else
-            "cached features (--features) do not hold: train without --features"))
+    if cfg.distill_topk < 0 or (cfg.distill_topk and not cfg.distill):
+        raise DFlashError(f"--distill-topk {cfg.distill_topk}: expected a token count >= 1, with --distill")
+    if cfg.distill and cfg.method == "eagle3":
+        raise DFlashError("--distill learns from the target's logits, which the EAGLE-3-style trainer does not take")
+    if cfg.distill and cfg.features and not cfg.distill_topk:
+        raise DFlashError("--distill learns from the target's logits, which cached features (--features) do not "
+                          "hold: train without --features, or cache the target's top tokens (dflash features "
+                          "--distill-topk K) and pass --distill-topk K")
     if cfg.num_kv_heads is not None and cfg.method != "dflash":
         raise DFlashError(f"--num-kv-heads {cfg.num_kv_heads}: the {cfg.method} drafter keeps the target's heads")
     if target is None:
@@ -450,7 +484,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     store = None
     if cfg.features:
         store = FeatureStore(cfg.features)
-        store.check(layer_ids, fingerprint)
+        store.check(layer_ids, fingerprint, cfg.distill_topk)
 
     eagle = draft.config.draft_method == "eagle3"
     if eagle != (cfg.method == "eagle3"):
@@ -539,8 +573,10 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             logits = None
             if store is not None:
                 feats = store.get(idx)
+                logits = store.get_topk(idx) if cfg.distill else None
             elif cfg.distill:
                 feats, logits = target_features(target, layer_ids, ids, with_logits=True)
+                logits = target_topk(logits, cfg.distill_topk) if cfg.distill_topk else logits
             else:
                 feats = target_features(target, layer_ids, ids)
             feats = feats.to(device)
@@ -551,7 +587,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                     loss = sum(p.sum() * 0 for p in params)
                     per_slot = (torch.zeros(n_slots), torch.zeros(n_slots))
                 else:
-                    extra = () if logits is None else (logits.to(device),)
+                    extra = () if logits is None else (
+                        tuple(t.to(device) for t in logits) if isinstance(logits, tuple) else logits.to(device),)
                     loss, per_slot = model(feats, ids.to(device), lm.to(device), anchors.to(device), *extra)
                 (loss / len(batch)).backward()
             window_loss += loss.item()
