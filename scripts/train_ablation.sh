@@ -7,9 +7,10 @@
 #   DFLASH_DATA_DIR=../shared/data bash scripts/train_ablation.sh r0     # THREADS=1 HOURS=2 by default
 #
 # FEATURES=DIR reads the target's features from a cache instead of running the target every step (about half of
-# a step on a CPU; the same training, bitwise), made once for all arms but r8 (which needs the target's logits):
+# a step on a CPU; the same training), made once for all arms, with the target's top 32 tokens after every
+# position for r8 (which then distils from those: --distill-topk 32, not the whole distribution):
 #   dflash features --data data/smollm2-135m-instruct/first --features runs/features/first --num-target-features 3 \
-#       --max-length 1536 --threads 1
+#       --max-length 1536 --distill-topk 32 --threads 1
 #
 # Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers;
 # r2 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights);
@@ -27,6 +28,7 @@ BUDGET=(--max-hours "$HOURS")
 [ -n "${STEPS:-}" ] && BUDGET=(--schedule-steps "$STEPS")
 CACHE=()
 [ -n "${FEATURES:-}" ] && CACHE=(--features "$FEATURES")
+[ -n "${FEATURES:-}" ] && [ "$ARM" = r8 ] && CACHE+=(--distill-topk 32)
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
 DATA="${DATA:-data/smollm2-135m-instruct/first}"
 case "$ARM" in
