@@ -6,7 +6,7 @@
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/train_ablation.sh r0     # THREADS=1 HOURS=2 by default
 #
-# FEATURES=DIR reads the target's features from a cache instead of running the target every step (about half of
+# FEATURES=DIR reads the target's features from a cache instead of running the target every step (a large part of
 # a step on a CPU; the same training), made once for all arms, with the target's top 32 tokens after every
 # position for r8 (which then distils from those: --distill-topk 32, not the whole distribution):
 #   dflash features --data data/smollm2-135m-instruct/first --features runs/features/first --num-target-features 3 \
