@@ -438,13 +438,17 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     compute_features(target, records, ids, tmp_path / "feats", max_length=3072, dtype="float32", chunk=10,
                      progress=False)
     kw = dict(epochs=1, max_steps=15)
-    train(cfg_for(root, tmp_path / "live", **kw), target=target, tokenizer=tok, progress=False)
-    train(cfg_for(root, tmp_path / "cached", features=str(tmp_path / "feats"), **kw), target=target,
-          tokenizer=tok, progress=False)
-    a = DFlashDraftModel.from_pretrained(tmp_path / "live" / "final")
-    b = DFlashDraftModel.from_pretrained(tmp_path / "cached" / "final")
-    for k, v in a.state_dict().items():
-        assert torch.allclose(v, b.state_dict()[k], atol=1e-6), k
+
+    def live_and_cached(name, feats, **extra):  # the draft trained live and from the cache: the same weights
+        train(cfg_for(root, tmp_path / name, **kw, **extra), target=target, tokenizer=tok, progress=False)
+        train(cfg_for(root, tmp_path / f"{name}-cached", features=str(tmp_path / feats), **kw, **extra),
+              target=target, tokenizer=tok, progress=False)
+        live = DFlashDraftModel.from_pretrained(tmp_path / name / "final")
+        cached = DFlashDraftModel.from_pretrained(tmp_path / f"{name}-cached" / "final")
+        for k, v in live.state_dict().items():
+            assert torch.allclose(v, cached.state_dict()[k], atol=1e-6), k
+        return live
+    a = live_and_cached("live", "feats")
     with pytest.raises(DFlashError, match="cached features \\(--features\\) do not hold"):
         train(cfg_for(root, tmp_path / "x", features=str(tmp_path / "feats"), distill=0.5, **kw), target=target,
               tokenizer=tok, progress=False)
@@ -457,14 +461,7 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     # distillation from the target's top tokens: cached beside the features, the same training as live
     compute_features(target, records, ids, tmp_path / "feats-top", max_length=3072, dtype="float32", chunk=10,
                      progress=False, distill_topk=3)
-    kw.update(distill=0.5, distill_topk=3)
-    train(cfg_for(root, tmp_path / "live-top", **kw), target=target, tokenizer=tok, progress=False)
-    train(cfg_for(root, tmp_path / "cached-top", features=str(tmp_path / "feats-top"), **kw), target=target,
-          tokenizer=tok, progress=False)
-    c = DFlashDraftModel.from_pretrained(tmp_path / "live-top" / "final")
-    d = DFlashDraftModel.from_pretrained(tmp_path / "cached-top" / "final")
-    for k, v in c.state_dict().items():
-        assert torch.allclose(v, d.state_dict()[k], atol=1e-6), k
+    c = live_and_cached("live-top", "feats-top", distill=0.5, distill_topk=3)
     assert not torch.allclose(c.fc.weight, a.fc.weight, atol=1e-4)  # the distilled run learnt otherwise
 
 
