@@ -202,20 +202,22 @@ class FeatureStore:
             raise DFlashError(f"features in {self.folder} are incomplete ({len(missing)} shards missing); "
                               "rerun `dflash features` to finish them")
 
-    def get(self, idx: int) -> torch.Tensor:
-        # one record out of its shard (memory-mapped): training visits records in random order, and loading a
-        # whole shard (64 records, ~100 MB) for each would cost more than the target forward it replaces
+    def _shard(self, idx: int):
+        # records are read one at a time out of their memory-mapped shard: training visits them in random order,
+        # and loading a whole shard (64 records, ~100 MB) for each would cost more than the target forward
         from safetensors import safe_open
 
         s = idx - idx % self.chunk
         if s not in self._shards:
             self._shards[s] = safe_open(str(self.folder / f"features-{s:07d}.safetensors"), framework="pt")
-        return self._shards[s].get_tensor(str(idx))
+        return self._shards[s]
+
+    def get(self, idx: int) -> torch.Tensor:
+        return self._shard(idx).get_tensor(str(idx))
 
     def get_topk(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's top tokens after every position of record idx: ids [T, K] and log-probabilities [T, K]."""
-        self.get(idx)  # opens the shard
-        shard = self._shards[idx - idx % self.chunk]
+        shard = self._shard(idx)
         return shard.get_tensor(f"{idx}.ids").long(), shard.get_tensor(f"{idx}.logp")
 
 
