@@ -42,6 +42,8 @@ def run_row(arg: str) -> dict:
         source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
     return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"], "kv": kv_heads(folder),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
+            "batch": cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1),
+            "distill": cfg.get("distill", 0.0),
             "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
@@ -60,14 +62,14 @@ def kv_heads(folder: Path) -> int | str:
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "start", "lr", "hours", "steps", *sets,
+    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill", "start", "lr", "hours", "steps", *sets,
             "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
         lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r.get("kv", ""), r["block"],
-                                                  r["gamma"], r["anchors"], r["start"], r["lr"], r["hours"], r["steps"],
+                                                  r["gamma"], r["anchors"], r.get("batch", 1), r.get("distill", 0.0), r["start"], r["lr"], r["hours"], r["steps"],
                                                   *taus, mean, r.get("evaluation", "training log")])) + " |")
     return lines
 

@@ -755,11 +755,11 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     import ablation_table
 
     target, tok, root = lang
-    for name, layers in (("one", 1), ("two", 2)):
-        train(cfg_for(root, tmp_path / name, num_layers=layers, epochs=1, max_steps=6, eval_interval=3),
-              target=target, tokenizer=tok, progress=False)
+    for name, layers in (("one", 1), ("two", 2)):  # the second also with 2 sequences a step
+        train(cfg_for(root, tmp_path / name, num_layers=layers, batch_size=layers, epochs=1, max_steps=6,
+                      eval_interval=3), target=target, tokenizer=tok, progress=False)
     rows = ablation_table.main([str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(tmp_path / "table")])
-    assert [r["depth"] for r in rows] == [1, 2] and all(r["steps"] == 6 for r in rows)
+    assert [r["depth"] for r in rows] == [1, 2] == [r["batch"] for r in rows] and all(r["steps"] == 6 for r in rows)
     assert all(set(r["tau"]) == {"held-out"} and r["mean_tau"] >= 1 and len(r["curve"]) == 2 for r in rows)
     out = capsys.readouterr().out
     assert "| one | 44 | 1 | 2 | 8 |" in out and "held-out" in out.splitlines()[0]  # the tiny target's 2 kv heads
