@@ -40,10 +40,12 @@ def run_row(arg: str) -> dict:
         c = res["config"]
         tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
         source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
-    return {"run": folder.name, "data": cfg["train_records"], "depth": cfg["num_layers"], "kv": kv_heads(folder),
+    return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"], "depth": cfg["num_layers"], "kv": kv_heads(folder),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "batch": cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1),
             "distill": cfg.get("distill", 0.0),
+            # what the hours bought: the target run live or its features read from a cache, the step compiled or not
+            "step_kind": ("cached" if cfg.get("features") else "live") + (", compiled" if cfg.get("compile") else ""),
             "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
@@ -62,15 +64,16 @@ def kv_heads(folder: Path) -> int | str:
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill", "start", "lr", "hours", "steps", *sets,
-            "mean τ", "τ from"]
+    head = ["run", "drafter", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill", "start", "lr",
+            "step", "hours", "steps", *sets, "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
-        lines.append("| " + " | ".join(map(str, [r["run"], r["data"], r["depth"], r.get("kv", ""), r["block"],
-                                                  r["gamma"], r["anchors"], r.get("batch", 1), r.get("distill", 0.0), r["start"], r["lr"], r["hours"], r["steps"],
-                                                  *taus, mean, r.get("evaluation", "training log")])) + " |")
+        cells = [r["run"], r.get("method", "dflash"), r["data"], r["depth"], r.get("kv", ""), r["block"], r["gamma"], r["anchors"],
+                 r.get("batch", 1), r.get("distill", 0.0), r["start"], r["lr"], r.get("step_kind", "live"), r["hours"],
+                 r["steps"], *taus, mean, r.get("evaluation", "training log")]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
 

@@ -276,6 +276,7 @@ _TRAIN_HELP = {
     "eval_max_new_tokens": "tokens generated per held-out prompt", "log_interval": "log every N steps",
     "resume": "continue from the latest checkpoint in --output", "device": "cpu | cuda",
     "threads": "torch threads (default: physical cores)",
+    "compile": "run the training step through torch.compile (fused elementwise work; compiles on the first step)",
 }
 
 

@@ -151,9 +151,10 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     (Int8Weight, Int4Weight), multiplied by its own kernel."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x, b)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
         # the packed and widened copies are caches, remade when the weight changes: inside a compiled graph
-        # the product is one opaque op that picks them when it runs
+        # the product is one opaque op that picks them when it runs (a compiled training step differentiates
+        # F.linear instead)
         return torch.ops.dflash.linear(x, w, b)
     if x.dtype != w.dtype or torch.is_grad_enabled() or (b is not None and b.dtype != w.dtype):
         return F.linear(x, w, b)
