@@ -18,13 +18,14 @@
 # many key/value heads as attention heads (the target has 3 of 9, so each context position reaches a layer through
 # 192 of its 576 dimensions); r10 4 sequences of 64 anchors a step instead of one of up to 512 (about the same blocks
 # a step, 4x the sequences: the anchors of one answer share most of their context, so their gradients are alike;
-# without FEATURES each step runs the target 4 times). e0 is the EAGLE-3-style peer on the same data, features and
-# evaluation (a chain of 7 at verify width 8, 128 anchors a sequence as its build script trains it): give it the
-# hours a DFlash arm took (HOURS=...) for the comparison at equal compute.
+# without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step. e0 is the
+# EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a
+# sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the comparison at
+# equal compute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r10, e0}"
+ARM="${1:?name an arm: r0..r11, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -49,6 +50,7 @@ case "$ARM" in
     r8) EXTRA=(--distill 0.5) ;;
     r9) EXTRA=(--num-kv-heads 9) ;;
     r10) EXTRA=(--num-anchors 64 --batch-size 4) ;;
+    r11) EXTRA=(--num-anchors 32 --batch-size 8) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
