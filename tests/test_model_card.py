@@ -107,4 +107,6 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
     assert "cosine over 30 steps, a 1.0 h budget" in card
     assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
-    assert "| r0 | 9 | 1 | 3 | 8 | 3.27 | 512 | fresh | 0.0006 | 2.0 | 40 | 2.10 | 2.10 | evaluate 40×128, block 8 |" in card
+    # a table from before the drafter, sequences/step, distill and step columns reads as the defaults it ran with
+    assert ("| r0 | dflash | 9 | 1 | 3 | 8 | 3.27 | 512 | 1 | 0.0 | fresh | 0.0006 | live | 2.0 | 40 | 2.10 | 2.10 | "
+            "evaluate 40×128, block 8 |") in card
