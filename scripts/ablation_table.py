@@ -40,7 +40,8 @@ def run_row(arg: str) -> dict:
         c = res["config"]
         tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
         source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
-    return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"], "depth": cfg["num_layers"], "kv": kv_heads(folder),
+    return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"],
+            "depth": cfg["num_layers"], "kv": kv_heads(folder),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "batch": cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1),
             "distill": cfg.get("distill", 0.0),
@@ -61,18 +62,24 @@ def kv_heads(folder: Path) -> int | str:
     return ""
 
 
+# what a row of an ablation.json written before a column existed ran with
+OLD_ROW_DEFAULTS = {"method": "dflash", "kv": "", "batch": 1, "distill": 0.0, "step_kind": "live",
+                    "evaluation": "training log"}
+
+
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "drafter", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill", "start", "lr",
-            "step", "hours", "steps", *sets, "mean τ", "τ from"]
+    head = ["run", "drafter", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill",
+            "start", "lr", "step", "hours", "steps", *sets, "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        r = {**OLD_ROW_DEFAULTS, **r}
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
-        cells = [r["run"], r.get("method", "dflash"), r["data"], r["depth"], r.get("kv", ""), r["block"], r["gamma"], r["anchors"],
-                 r.get("batch", 1), r.get("distill", 0.0), r["start"], r["lr"], r.get("step_kind", "live"), r["hours"],
-                 r["steps"], *taus, mean, r.get("evaluation", "training log")]
+        cells = [r["run"], r["method"], r["data"], r["depth"], r["kv"], r["block"], r["gamma"], r["anchors"],
+                 r["batch"], r["distill"], r["start"], r["lr"], r["step_kind"], r["hours"], r["steps"], *taus, mean,
+                 r["evaluation"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
