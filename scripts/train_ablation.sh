@@ -18,21 +18,25 @@
 # many key/value heads as attention heads (the target has 3 of 9, so each context position reaches a layer through
 # 192 of its 576 dimensions); r10 4 sequences of 64 anchors a step instead of one of up to 512 (about the same blocks
 # a step, 4x the sequences: the anchors of one answer share most of their context, so their gradients are alike;
-# without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step. e0 is the
-# EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a
-# sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the comparison at
-# equal compute.
+# without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step; r12 r10 with r9's
+# heads. e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
+# 128 anchors a sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the
+# comparison at equal compute.
+#
+# DATA="folder ..." trains on other data (default: the first 3104 answers); FEATURES then names one cache for all,
+# or one per DATA folder, space-separated.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r11, e0}"
+ARM="${1:?name an arm: r0..r12, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
 BUDGET=(--max-hours "$HOURS")
 [ -n "${STEPS:-}" ] && BUDGET=(--schedule-steps "$STEPS")
 CACHE=()
-[ -n "${FEATURES:-}" ] && CACHE=(--features "$FEATURES")
+# shellcheck disable=SC2206
+[ -n "${FEATURES:-}" ] && CACHE=(--features $FEATURES)  # one folder, or one per DATA folder (space-separated)
 # COMPILE=1: the training step through torch.compile (the same training, faster steps; the table says which ran so)
 [ -n "${COMPILE:-}" ] && CACHE+=(--compile)
 [ -n "${FEATURES:-}" ] && [ "$ARM" = r8 ] && CACHE+=(--distill-topk 32)
@@ -51,6 +55,7 @@ case "$ARM" in
     r9) EXTRA=(--num-kv-heads 9) ;;
     r10) EXTRA=(--num-anchors 64 --batch-size 4) ;;
     r11) EXTRA=(--num-anchors 32 --batch-size 8) ;;
+    r12) EXTRA=(--num-anchors 64 --batch-size 4 --num-kv-heads 9) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac

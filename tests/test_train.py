@@ -466,6 +466,41 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     assert not torch.allclose(c.fc.weight, a.fc.weight, atol=1e-4)  # the distilled run learnt otherwise
 
 
+def test_a_feature_folder_per_dataset_folder_trains_as_one_folder_for_all(lang, tmp_path):
+    target, tok, root = lang
+    records = read_dataset([root / "data"])
+    parts, data = [records[:20], records[20:]], []
+    for i, part in enumerate(parts):  # the same records as two dataset folders
+        (tmp_path / f"d{i}").mkdir()
+        (tmp_path / f"d{i}" / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        data.append(str(tmp_path / f"d{i}"))
+    ids = DFlashDraftModel.from_target(target, mask_token_id=MASK).config.target_layer_ids
+    feats = dict(max_length=3072, chunk=8, progress=False)
+    compute_features(target, records, ids, tmp_path / "all", dtype="float32", **feats)
+    compute_features(target, records, ids, tmp_path / "all-bf16", dtype="bfloat16", **feats)
+    for i, part in enumerate(parts):
+        compute_features(target, part, ids, tmp_path / f"f{i}", dtype="float32", **feats)
+    kw = dict(data=data, epochs=1, max_steps=8)
+    drafts = {}
+    for name, folders in (("one", ["all"]), ("each", ["f0", "f1"]), ("bf16", ["all-bf16"])):
+        train(cfg_for(root, tmp_path / name, features=[str(tmp_path / f) for f in folders], **kw), target=target,
+              tokenizer=tok, progress=False)
+        drafts[name] = DFlashDraftModel.from_pretrained(tmp_path / name / "final").state_dict()
+    for k, v in drafts["one"].items():
+        assert torch.equal(v, drafts["each"][k]), k  # the same features, found through either layout
+        # stored in bf16, read back as the fp32 target's: a rounding of the inputs, not another training
+        assert (v - drafts["bf16"][k]).norm() <= 0.03 * v.norm(), k
+    assert any(not torch.equal(v, drafts["bf16"][k]) for k, v in drafts["one"].items())
+    assert sum(f.stat().st_size for f in (tmp_path / "all-bf16").glob("features-*")) < 0.6 * sum(
+        f.stat().st_size for f in (tmp_path / "all").glob("features-*"))
+    with pytest.raises(DFlashError, match="3 folders for 2 --data folders"):
+        train(cfg_for(root, tmp_path / "x", features=[str(tmp_path / f) for f in ("f0", "f1", "all")], **kw),
+              target=target, tokenizer=tok, progress=False)
+    with pytest.raises(DFlashError, match="f1 were computed for another dataset"):  # folders in the wrong order
+        train(cfg_for(root, tmp_path / "x", features=[str(tmp_path / f) for f in ("f1", "f0")], **kw),
+              target=target, tokenizer=tok, progress=False)
+
+
 @pytest.mark.parametrize("method", ["dflash", "eagle3"])
 def test_a_compiled_training_step_trains_as_the_eager_one(lang, tmp_path, method):
     target, tok, root = lang
@@ -704,11 +739,15 @@ def test_train_cli_with_yaml_config(lang, tmp_path):
                         str(tmp_path / "feats"), "--threads", "1"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     made = json.loads(r.stdout.strip().splitlines()[-1])
-    assert made["records"] == 48 and made["target_layer_ids"] == cfg["target_layer_ids"]
+    assert made["made"] == [{"features": str(tmp_path / "feats"), "records": 48}]
+    assert made["target_layer_ids"] == cfg["target_layer_ids"]
     r = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(yml), "--output",
                         str(tmp_path / "run2"), "--features", str(tmp_path / "feats"), "--threads", "1"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-m", "dflash.cli", "features", "--config", str(yml), "--features", "a",
+                          "b"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "2 folders for 1 --data folders" in bad.stderr
     bad = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(tmp_path / "missing.yaml")],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [

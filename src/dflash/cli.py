@@ -246,7 +246,7 @@ _TRAIN_HELP = {
     "target": "target model (alias, folder, .gguf or hub id)",
     "method": "dflash (block diffusion) or eagle3 (an EAGLE-3-style chain drafter, for comparison)",
     "ttt_steps": "eagle3: chain steps unrolled in training (default: block size - 1)", "data": "dataset folders from `dflash regenerate`",
-    "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features)",
+    "output": "run folder: checkpoints, final draft, log.jsonl", "features": "cached target features (dflash features): one folder for all --data, or one per --data folder",
     "init_draft": "start from this draft instead of a fresh one (a --num-layers above its depth appends layers that start as the identity)",
     "init_from_target": "start the draft layers as copies of the target's last layers",
     "draft_vocab_size": "limit proposals to the N most frequent answer tokens (cheaper draft LM head)", "num_layers": "draft decoder layers",
@@ -318,6 +318,9 @@ def _train_parsers(sub, fmt):
     _add_train_options(fe, only={"target", "data", "features", "num_layers", "target_layer_ids",
                                  "num_target_features", "max_length", "dtype", "device", "threads",
                                  "distill_topk"})
+    fe.add_argument("--feature-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="dtype the features are stored in (default: the target's); bfloat16 halves the disk an "
+                    "fp32 target's cache takes, and training reads them back in the target's dtype")
 
 
 def _train_config(args):
@@ -357,15 +360,22 @@ def cmd_features(args) -> int:
 
     cfg = _train_config(args)
     if not cfg.features:
-        raise DFlashError("pass --features DIR: the folder to write the features into")
+        raise DFlashError("pass --features DIR: the folder to write the features into (or one per --data folder)")
+    if len(cfg.features) not in (1, len(cfg.data)):
+        raise DFlashError(f"--features: {len(cfg.features)} folders for {len(cfg.data)} --data folders; give one "
+                          "folder for all the data, or one per --data folder, in the same order")
     dtype = precision(cfg.dtype, cfg.device or default_device())
     target, tokenizer = load_target(cfg.target, dtype=dtype, device=cfg.device, threads=cfg.threads)
     n_layers = target.config.get_text_config().num_hidden_layers
     ids = cfg.target_layer_ids or default_target_layer_ids(n_layers, cfg.num_target_features or cfg.num_layers)
-    records = read_dataset(cfg.data, tokenizer)
-    compute_features(target, records, ids, cfg.features, max_length=cfg.max_length, dtype=dtype,
-                     distill_topk=cfg.distill_topk)
-    print(json.dumps({"features": cfg.features, "records": len(records), "target_layer_ids": ids}))
+    groups = [cfg.data] if len(cfg.features) == 1 else [[d] for d in cfg.data]
+    made = []
+    for folder, data in zip(cfg.features, groups):
+        records = read_dataset(data, tokenizer)
+        compute_features(target, records, ids, folder, max_length=cfg.max_length, dtype=args.feature_dtype or dtype,
+                         distill_topk=cfg.distill_topk)
+        made.append({"features": folder, "records": len(records)})
+    print(json.dumps({"made": made, "target_layer_ids": ids}))
     return 0
 
 

@@ -37,7 +37,9 @@ class TrainConfig:
     method: str = "dflash"  # or "eagle3": the EAGLE-3-style chain drafter (dflash.eagle), for comparison
     data: list[str] = field(default_factory=list)
     output: str = "runs/draft"
-    features: str | None = None  # folder written by `dflash features`
+    # folders written by `dflash features`: one for all of `data`, or one per `data` folder, in its order (a
+    # folder per dataset lets a new dataset join without recomputing the others)
+    features: list[str] = field(default_factory=list)
     init_draft: str | None = None  # start from these weights instead of a fresh draft
     init_from_target: bool = False  # fresh draft layers start as copies of the target's last layers
     draft_vocab_size: int | None = None  # proposals limited to this many most frequent answer tokens
@@ -91,6 +93,11 @@ class TrainConfig:
     # pieces fused, which on a CPU cost about as much as the products; a one-time compile on the first step, and
     # a rounding away from the eager step
     compile: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.features, str):  # a single folder (YAML, older train_config.json)
+            self.features = [self.features]
+        self.features = list(self.features or [])
 
     def resolved_gamma(self) -> float:
         return self.gamma if self.gamma is not None else 7.0 * (self.block_size - 1) / 15
@@ -223,6 +230,46 @@ class FeatureStore:
         """The target's top tokens after every position of record idx: ids [T, K] and log-probabilities [T, K]."""
         shard = self._shard(idx)
         return shard.get_tensor(f"{idx}.ids").long(), shard.get_tensor(f"{idx}.logp")
+
+
+class FeatureStores:
+    """Several feature folders read as one: folder i caches the i-th consecutive group of records."""
+
+    def __init__(self, stores: list[FeatureStore], sizes: list[int]):
+        import itertools
+
+        self.stores = stores
+        self.starts = list(itertools.accumulate([0] + sizes[:-1]))
+
+    def _find(self, idx: int) -> tuple[FeatureStore, int]:
+        import bisect
+
+        i = bisect.bisect_right(self.starts, idx) - 1
+        return self.stores[i], idx - self.starts[i]
+
+    def get(self, idx: int) -> torch.Tensor:
+        store, j = self._find(idx)
+        return store.get(j)
+
+    def get_topk(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        store, j = self._find(idx)
+        return store.get_topk(j)
+
+
+def open_features(folders: list[str], groups: list[list[dict]], layer_ids, max_length: int, distill_topk: int = 0):
+    """The feature cache of records read as `groups` (one group per dataset folder): one folder for them all, or
+    one per group, each checked against its records."""
+    if len(folders) == 1:
+        groups = [[r for g in groups for r in g]]
+    elif len(folders) != len(groups):
+        raise DFlashError(f"--features: {len(folders)} folders for {len(groups)} --data folders; give one folder for "
+                          "all the data, or one per --data folder, in the same order")
+    stores = []
+    for folder, records in zip(folders, groups):
+        store = FeatureStore(folder)
+        store.check(layer_ids, dataset_fingerprint(records, max_length), distill_topk)
+        stores.append(store)
+    return stores[0] if len(stores) == 1 else FeatureStores(stores, [len(g) for g in groups])
 
 
 def frequent_tokens(records: list[dict], n: int) -> list[int]:
@@ -435,7 +482,8 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                                         threads=cfg.threads)
     target.requires_grad_(False)
     device = target.device
-    records = read_dataset(cfg.data, tokenizer)
+    groups = [read_dataset([d], tokenizer) for d in cfg.data]  # one per folder: a feature folder may cache each
+    records = [r for g in groups for r in g]
     if len(records) <= cfg.eval_samples:
         raise DFlashError(f"only {len(records)} usable records: need more than eval_samples={cfg.eval_samples}")
     fingerprint = dataset_fingerprint(records, cfg.max_length)
@@ -489,8 +537,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     layer_ids = draft.config.target_layer_ids
     store = None
     if cfg.features:
-        store = FeatureStore(cfg.features)
-        store.check(layer_ids, fingerprint, cfg.distill_topk)
+        store = open_features(cfg.features, groups, layer_ids, cfg.max_length, cfg.distill_topk)
 
     eagle = draft.config.draft_method == "eagle3"
     if eagle != (cfg.method == "eagle3"):
@@ -581,7 +628,9 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             anchors = sample_anchors(lm, cfg.num_anchors, ag)
             logits = None
             if store is not None:
-                feats = store.get(idx)
+                # as the target's forward would give them: a cache may be stored narrower (dflash features
+                # --feature-dtype)
+                feats = store.get(idx).to(target.dtype)
                 logits = store.get_topk(idx) if cfg.distill else None
             elif cfg.distill:
                 feats, logits = target_features(target, layer_ids, ids, with_logits=True)
