@@ -356,14 +356,12 @@ def cmd_features(args) -> int:
     from .config import default_target_layer_ids
     from .dataset import read_dataset
     from .machine import default_device
-    from .train import compute_features, precision
+    from .train import check_feature_folders, compute_features, precision
 
     cfg = _train_config(args)
     if not cfg.features:
         raise DFlashError("pass --features DIR: the folder to write the features into (or one per --data folder)")
-    if len(cfg.features) not in (1, len(cfg.data)):
-        raise DFlashError(f"--features: {len(cfg.features)} folders for {len(cfg.data)} --data folders; give one "
-                          "folder for all the data, or one per --data folder, in the same order")
+    check_feature_folders(cfg.features, cfg.data)
     dtype = precision(cfg.dtype, cfg.device or default_device())
     target, tokenizer = load_target(cfg.target, dtype=dtype, device=cfg.device, threads=cfg.threads)
     n_layers = target.config.get_text_config().num_hidden_layers

@@ -256,14 +256,18 @@ class FeatureStores:
         return store.get_topk(j)
 
 
+def check_feature_folders(folders: list[str], data: list) -> None:
+    if len(folders) not in (1, len(data)):
+        raise DFlashError(f"--features: {len(folders)} folders for {len(data)} --data folders; give one folder for "
+                          "all the data, or one per --data folder, in the same order")
+
+
 def open_features(folders: list[str], groups: list[list[dict]], layer_ids, max_length: int, distill_topk: int = 0):
     """The feature cache of records read as `groups` (one group per dataset folder): one folder for them all, or
     one per group, each checked against its records."""
+    check_feature_folders(folders, groups)
     if len(folders) == 1:
         groups = [[r for g in groups for r in g]]
-    elif len(folders) != len(groups):
-        raise DFlashError(f"--features: {len(folders)} folders for {len(groups)} --data folders; give one folder for "
-                          "all the data, or one per --data folder, in the same order")
     stores = []
     for folder, records in zip(folders, groups):
         store = FeatureStore(folder)
