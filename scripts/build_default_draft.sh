@@ -22,7 +22,7 @@ THREADS="${THREADS:-2}"
 LAYERS="${LAYERS:-1}"                        # draft depth
 BLOCK="${BLOCK:-8}"                          # block size
 FEATURES="${FEATURES:-3}"                    # target layers tapped
-EPOCHS="${EPOCHS:-3}"                        # 2296 steps each
+EPOCHS="${EPOCHS:-3}"                        # about 2300 steps each
 SHIP="src/dflash/drafts/$MODEL"
 ALL=(data/"$MODEL"/first data/"$MODEL"/rest data/"$MODEL"/self-answers data/"$MODEL"/sampled-1)
 CACHE=(); for d in "${ALL[@]}"; do CACHE+=("$WORK/features/$(basename "$d")"); done
