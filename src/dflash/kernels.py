@@ -210,8 +210,12 @@ class Int8Weight(_WeightOnlyQuantized):
         return torch._weight_int8pack_mm(x, self.qweight, self.scale)
 
 
-# builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags
-INT4_BUILDS = {"avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
+# builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags (the
+# AMX build is the VNNI one with tile products for batches of 10 rows or more)
+INT4_BUILDS = {"avx512_amx": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"},
+                              ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile",
+                               "-mamx-int8"]),
+               "avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
                                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]),
                "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])}
 INT4_KERNELS = ("auto", "dflash", "torch")
