@@ -159,9 +159,9 @@ constexpr int64_t kAmxMinRows = 10;
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
 
 // Tiles 0-3: a group's sums (C, rows x 16 int32); 4-5: the rows' int8 inputs of a group (A, rows x 32 bytes);
-// 6-7: a group's weights (B, 8 quads x 16 outputs x 4 bytes). `cols` is B's and C's width in bytes: 64 for int4
-// (16 outputs), 32 for Q8_0 (its tiles are 8 outputs wide). The configuration is per thread and other libraries
-// (oneDNN) load their own, so every call loads it and releases the tiles when done.
+// 6-7: a group's weights (B, 8 quads x 16 outputs x 4 bytes); `cols` is B's and C's width in bytes (64). The
+// configuration is per thread and other libraries (oneDNN) load their own, so every call loads it and releases
+// the tiles when done.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
