@@ -212,11 +212,10 @@ class Int8Weight(_WeightOnlyQuantized):
 
 # builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags (the
 # AMX build is the VNNI one with tile products for batches of 10 rows or more)
-INT4_BUILDS = {"avx512_amx": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c", "amx_tile", "amx_int8"},
-                              ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c", "-mamx-tile",
-                               "-mamx-int8"]),
-               "avx512_vnni": ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
-                               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"]),
+_VNNI = ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
+         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"])
+INT4_BUILDS = {"avx512_amx": (_VNNI[0] | {"amx_tile", "amx_int8"}, [*_VNNI[1], "-mamx-tile", "-mamx-int8"]),
+               "avx512_vnni": _VNNI,
                "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])}
 INT4_KERNELS = ("auto", "dflash", "torch")
 

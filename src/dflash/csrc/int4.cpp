@@ -159,17 +159,16 @@ constexpr int64_t kAmxMinRows = 10;
 constexpr int64_t kAmxMaxRows = 16;  // a tile's rows
 
 // Tiles 0-3: a group's sums (C, rows x 16 int32); 4-5: the rows' int8 inputs of a group (A, rows x 32 bytes);
-// 6-7: a group's weights (B, 8 quads x 16 outputs x 4 bytes); `cols` is B's and C's width in bytes (64). The
-// configuration is per thread and other libraries (oneDNN) load their own, so every call loads it and releases
-// the tiles when done.
+// 6-7: a group's weights (B, 8 quads x 16 outputs x 4 bytes). The configuration is per thread and other
+// libraries (oneDNN) load their own, so every call loads it and releases the tiles when done.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  TileConfig(int64_t m, int cols) {
-    for (int i : {0, 1, 2, 3}) { rows[i] = static_cast<uint8_t>(m); colsb[i] = static_cast<uint16_t>(cols); }
+  explicit TileConfig(int64_t m) {
+    for (int i : {0, 1, 2, 3}) { rows[i] = static_cast<uint8_t>(m); colsb[i] = kTile * 4; }
     for (int i : {4, 5}) { rows[i] = static_cast<uint8_t>(m); colsb[i] = kGroup; }
-    for (int i : {6, 7}) { rows[i] = kGroup / 4; colsb[i] = static_cast<uint16_t>(cols); }
+    for (int i : {6, 7}) { rows[i] = kGroup / 4; colsb[i] = kTile * 4; }
   }
 };
 
@@ -197,7 +196,7 @@ inline void unpack_group(const uint8_t* slab, uint8_t* b) {
 
 constexpr int64_t kAmxChunk = 16;  // groups unpacked ahead of their products (8 KB)
 
-// Tiles [begin, end) for M rows (2..16). Per tile, up to kAmxChunk groups are unpacked first (their stores have
+// Tiles [begin, end) for M rows (kAmxMinRows..16). Per tile, up to kAmxChunk groups are unpacked first (their stores have
 // landed by the time the tile loads read them), then multiplied four at a time into tiles 0-3, whose sums are
 // stored together and go through the epilogue group by group.
 template <int M>
@@ -205,7 +204,7 @@ void amx_rows(const int8_t* xq, const float* xscale, const float* xoff, const ui
               int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
   const int64_t groups = K / kGroup, octets = K / 8;
   constexpr int64_t kB = kOctets * 2 * 64;  // bytes of one group's B
-  const TileConfig config(M, 64);
+  const TileConfig config(M);
   _tile_loadconfig(&config);
   alignas(64) uint8_t b[kAmxChunk * kB];
   alignas(64) int32_t dot[4][M * kTile];
@@ -264,10 +263,10 @@ void amx_rows(const int8_t* xq, const float* xscale, const float* xoff, const ui
 
 using AmxRowsFn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, const uint16_t*, int64_t,
                           int64_t, int64_t, int64_t, uint16_t*);
+static_assert(kAmxMinRows == 10, "kAmxRows lists the passes from kAmxMinRows rows on");
 constexpr AmxRowsFn kAmxRows[kAmxMaxRows + 1] = {
-    nullptr,       nullptr,       amx_rows<2>,   amx_rows<3>,   amx_rows<4>,   amx_rows<5>,
-    amx_rows<6>,   amx_rows<7>,   amx_rows<8>,   amx_rows<9>,   amx_rows<10>,  amx_rows<11>,
-    amx_rows<12>,  amx_rows<13>,  amx_rows<14>,  amx_rows<15>,  amx_rows<16>};
+    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+    amx_rows<10>, amx_rows<11>, amx_rows<12>, amx_rows<13>, amx_rows<14>, amx_rows<15>, amx_rows<16>};
 
 #endif  // AMX
 
