@@ -124,9 +124,7 @@ def test_bf16_generation_is_the_same_with_and_without_packing(monkeypatch):
         kw = dict(max_new_tokens=12, stop_token_ids=[], runtime="fast")
         return ar_generate(target, ids, mask, **kw), spec_generate(target, draft, ids, mask, **kw)
 
-    kernels._packed.clear()
     packed = both()
-    assert len(kernels._packed) > 0  # the draft's layers and the shared LM head
     assert isinstance(fast_forward(target).layers[0].wqkv, kernels.PackedWeight)
     monkeypatch.setattr(kernels, "_ONEDNN", False)
     target.__dict__.pop("_dflash_fast_forward")  # rebuild the target's fast forward, now unpacked
@@ -452,12 +450,10 @@ def test_argmax_answers_what_torch_argmax_answers(kernel, monkeypatch):
 
 
 def _q8_draft_products(monkeypatch):
-    """A bf16 draft's products on the Q8_0 kernel, as on a CPU without bf16 packing, also on one where oneDNN packs
-    bf16: the one-call paths and the Python layers' `linear` (which would take the packed weight) alike."""
-    from dflash import model as model_mod
-
-    for module in (model_mod, kernels):
-        monkeypatch.setattr(module, "widens", lambda w: w.device.type == "cpu")
+    """A bf16 draft's Python layers' products on the Q8_0 kernel, as on a CPU without bf16 packing, also on one
+    where oneDNN packs bf16 (their `linear` would take the packed weight there; the one-call paths take Q8_0 on
+    both)."""
+    monkeypatch.setattr(kernels, "widens", lambda w: w.device.type == "cpu")
     monkeypatch.setattr(kernels, "packable", lambda w: False)
 
 

@@ -24,8 +24,8 @@
 //
 // The same library holds `q8_linear`, for weights in GGUF's Q8_0 layout (groups of 32 int8 with one fp16 scale;
 // GGUF files keep the token embedding, which is the tied LM head, that way): llama.cpp's Q8_0 x Q8 arithmetic,
-// y += xscale * scale * sum(q * xq) per group, with the same promise. Its code is AVX2 in both builds (an
-// AVX-512 CPU runs it as it is), so every build gives the same bits.
+// y += xscale * scale * sum(q * xq) per group, with the same promise. The VNNI builds take two tiles at a time with
+// `vpdpbusd` (q8_tile_pair), the AVX2 code otherwise: the same integer sums and float epilogue, so the same bits.
 //
 // A third build adds AMX (Sapphire Rapids and later) to the VNNI one: for passes of 10 to 16 rows, each group's
 // integer sums come from one tile product (`tdpbsud`: signed inputs x unsigned nibbles) for all the rows at once
@@ -59,6 +59,11 @@ constexpr int64_t kTile = 16;    // outputs per register of 16 fp32
 constexpr int64_t kOctets = kGroup / 8;
 // rows per pass over the weight; more rows take more passes, from cache
 constexpr int64_t kMaxRows = 8;
+// How far ahead of its loads the weight stream asks for its next lines. A step streams each layer's weight from
+// L3 or memory once; with 6-8 rows a pass computes long enough per line that the hardware prefetcher falls
+// behind (30 layers' products at 8 rows, AVX-512 Xeon, 2 threads: 4.1-4.7 ms without, 3.7 ms with).
+constexpr int64_t kAhead = 1024;
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T0); }
 
 inline __m256 fp16x8_to_fp32(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -103,6 +108,7 @@ void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const 
     for (int64_t o = g * kOctets; o < (g + 1) * kOctets; ++o) {
       for (int t = 0; t < NT; ++t) {
         const __m512i w = _mm512_loadu_si512(q + ((tile + t) * octets + o) * 64);
+        prefetch(q + ((tile + t) * octets + o) * 64);
         const __m512i lo = _mm512_and_si512(w, nibble);                         // inputs 8o..8o+3
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);  // inputs 8o+4..8o+7
         for (int m = 0; m < M; ++m) {
@@ -294,6 +300,7 @@ void half_tile(const int8_t* xq, const float* xscale, const float* xoff, const u
     __m256i w[2 * kOctets];  // inputs 8o..8o+3 (lo) and 8o+4..8o+7 (hi) of each octet o of the group
     for (int o = 0; o < kOctets; ++o) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kOctets + o) * 64));
+      prefetch(slab + (g * kOctets + o) * 64);
       w[2 * o] = _mm256_and_si256(packed, nibble);
       w[2 * o + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
     }
@@ -450,6 +457,7 @@ void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint1
     for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
     for (int o = 0; o < kQuads; ++o) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab + (g * kQuads + o) * 32));
+      prefetch(slab + (g * kQuads + o) * 32);
       const __m256i magnitude = _mm256_abs_epi8(w);
       for (int m = 0; m < M; ++m) {
         const __m256i x = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup)[o]);
@@ -466,10 +474,58 @@ void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint1
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + tile * kQ8Tile), fp32x8_to_bf16(acc[m]));
 }
 
+#if defined(__AVX512VNNI__)
+// Two tiles (16 outputs, contiguous in y) for M rows with `vpdpbusd`: the same exact int32 sums as q8_tile's
+// vpmaddubsw + vpmaddwd (|w| x sign(x, w), at most 4 x 127 x 127 per lane), the input's sign flipped where the
+// weight is negative by one masked subtraction (AVX-512 has no vpsignb: sign(x, w) is x, -x or 0, and where w is 0
+// the product is 0 either way), and the same float epilogue lane by lane: the AVX2 code's bits, for half the
+// instructions per row and twice the outputs per instruction.
+template <int M>
+void q8_tile_pair(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K,
+                  int64_t N, int64_t tile, uint16_t* y) {
+  const int64_t groups = K / kGroup, quads = K / 4;
+  const int8_t* slab0 = q + tile * quads * 32;
+  const int8_t* slab1 = slab0 + quads * 32;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[M];
+    for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+    for (int o = 0; o < kQuads; ++o) {
+      const int64_t at = (g * kQuads + o) * 32;
+      const __m512i w = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab0 + at))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slab1 + at)), 1);
+      prefetch(slab0 + at);
+      prefetch(slab1 + at);
+      const __m512i magnitude = _mm512_abs_epi8(w);
+      const __mmask64 negative = _mm512_movepi8_mask(w);
+      for (int m = 0; m < M; ++m) {
+        const __m512i x = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup)[o]);
+        dot[m] = _mm512_dpbusd_epi32(dot[m], magnitude, _mm512_mask_sub_epi8(x, negative, zero, x));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (tile * groups + g) * kQ8Tile))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + ((tile + 1) * groups + g) * kQ8Tile)), 1));
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(scale, _mm512_set1_ps(xscale[m * groups + g])),
+                               acc[m]);
+  }
+  for (int m = 0; m < M; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + tile * kQ8Tile), fp32x16_to_bf16(acc[m]));
+}
+#endif
+
 template <int M>
 void q8_rows(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
              int64_t begin, int64_t end, uint16_t* y) {
-  for (int64_t t = begin; t < end; ++t) q8_tile<M>(xq, xscale, q, scales, K, N, t, y);
+  int64_t t = begin;
+#if defined(__AVX512VNNI__)
+  for (; t + 2 <= end; t += 2) q8_tile_pair<M>(xq, xscale, q, scales, K, N, t, y);
+#endif
+  for (; t < end; ++t) q8_tile<M>(xq, xscale, q, scales, K, N, t, y);
 }
 
 using Q8RowsFn = void (*)(const int8_t*, const float*, const int8_t*, const uint16_t*, int64_t, int64_t, int64_t,
