@@ -449,6 +449,25 @@ def test_argmax_answers_what_torch_argmax_answers(kernel, monkeypatch):
     assert torch.equal(kernels.argmax(torch.arange(5)), torch.tensor(4))  # integers: PyTorch's
 
 
+@needs_int4_kernel
+@needs_attention_kernel
+@pytest.mark.parametrize("packs", [True, False])
+def test_a_bf16_draft_proposes_on_q8_0_whether_or_not_the_cpu_packs_bf16(monkeypatch, packs):
+    # at a step's few rows the 8-bit weights stream half the bytes of oneDNN's packed bf16 ones: the one-call
+    # layers and the proposal head take Q8_0 on either kind of CPU
+    from dflash import DFlashDraftModel
+    from tiny import tiny_target
+
+    monkeypatch.setattr(kernels, "packable", lambda w: packs)
+    draft = DFlashDraftModel.from_target(tiny_target("qwen3", seed=2).bfloat16(), num_layers=1, block_size=4)
+    assert isinstance(draft._proposal_head()[0], kernels.Q8Weight)
+    with torch.no_grad():
+        assert draft._layer_stack() is not None
+    draft.float()  # an fp32 draft keeps its Python layers
+    with torch.no_grad():
+        assert draft._layer_stack() is None
+
+
 def _q8_draft_products(monkeypatch):
     """A bf16 draft's Python layers' products on the Q8_0 kernel, as on a CPU without bf16 packing, also on one
     where oneDNN packs bf16 (their `linear` would take the packed weight there; the one-call paths take Q8_0 on

@@ -654,8 +654,8 @@ class DFlashDraftModel(nn.Module):
 
     def _proposal_head(self):
         """(weight, bias, rows) that proposals are scored with: the draft vocabulary's LM-head rows (rows None:
-        the whole head). Where the CPU has no half-precision kernels the weight is quantised to int8
-        (`kernels.proposal_weight`). Proposals only: the target verifies them."""
+        the whole head). A bf16 weight is Q8_0 on a CPU where dflash's kernel runs, else int8 where the CPU has no
+        half-precision kernels (`kernels.proposal_weight`). Proposals only: the target verifies them."""
         w = self.lm_head.weight
         if self._proposal_cache is None or self._proposal_cache[0] is not w:
             weight, bias, rows = (self._draft_head() if self.draft_vocab is not None
