@@ -426,6 +426,4 @@ def proposal_weight(w: torch.Tensor):
     (`int8_weight`; PyTorch's int8 scored 7 rows in the time of 2 bf16 ones). A bf16 head is Q8_0 wherever
     dflash's kernel runs, also where oneDNN packs bf16: a step's few rows stream half the bytes (the default
     draft's propose, AVX-512 Xeon with AMX, 2 threads: 0.9-1.1 ms against 1.2)."""
-    if w.device.type == "cpu" and w.dtype == torch.bfloat16 and Q8Weight.fits(w):
-        return Q8Weight(w)
-    return int8_weight(w) if widens(w) else w
+    return int8_weight(w) if widens(w) or (w.dtype == torch.bfloat16 and Q8Weight.fits(w)) else w
