@@ -55,3 +55,39 @@ def test_the_kernel_and_runtime_tests_pass_as_on_an_avx2_only_cpu():
                        env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+
+
+_ATTENTION_CASES = """
+import sys, torch
+from dflash import kernels
+assert kernels.cache_attention_kernel()
+g = torch.Generator().manual_seed(0)
+out = []
+for d in (64, 128, 32):  # 64 and 128 take the unrolled paths, 32 the general one
+    for nq in (1, 2, 3, 5, 8, 16):  # rows in pairs and alone, value rows four at a time and alone
+        for dtype in (torch.bfloat16, torch.float32):
+            q = torch.randn(2, 6, nq, d, generator=g)
+            k, v = (torch.randn(2, 2, 77, d, generator=g).to(dtype) for _ in range(2))
+            visible = torch.rand(2, nq, 77, generator=g) > 0.2  # some queries skip some keys
+            visible[0, :, 40:] = True  # and some see every key of a block
+            out.append(torch.ops.dflash_attn.cache_attention(q, k, v, visible, d ** -0.5))
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(os.environ.get("DFLASH_MAX_CPU_ISA") == "avx2", reason="already limited to AVX2")
+@pytest.mark.skipif(not _beyond_avx2(), reason="this CPU has nothing beyond AVX2: there is one attention build")
+@pytest.mark.skipif(not kernels.cache_attention_kernel(), reason="dflash's attention kernel needs an x86 CPU and a "
+                    "C++ compiler")
+def test_the_attention_kernel_gives_the_same_bits_built_for_avx512_as_for_avx2(tmp_path):
+    # the AVX-512 build's 16-lane paths (two keys per register for the scores, 64 value elements per pass) must
+    # make every sum the AVX2 code makes, in its order: a model's tokens do not depend on the build
+    for isa, path in (("native", tmp_path / "native.pt"), ("avx2", tmp_path / "avx2.pt")):
+        env = dict(os.environ, DFLASH_MAX_CPU_ISA=isa)
+        r = subprocess.run([sys.executable, "-c", _ATTENTION_CASES, str(path)], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    native, avx2 = torch.load(tmp_path / "native.pt"), torch.load(tmp_path / "avx2.pt")
+    assert len(native) == len(avx2) == 36
+    for i, (a, b) in enumerate(zip(native, avx2)):
+        assert torch.equal(a, b), i

@@ -11,7 +11,8 @@
 //     its sum and the weighted sum of values run over the visible keys one after the other, in slot order;
 //   - keys a query does not see weigh exactly 0 and are skipped.
 // So a query's output depends only on the keys it sees: verifying k tokens gives bit for bit the attention of k
-// single steps, and a row's answer does not depend on what else is being served.
+// single steps, and a row's answer does not depend on what else is being served. Built for AVX-512, the scores and
+// the weighted values take 16-lane registers for the same sums in the same order: the AVX2 build's bits.
 //
 // q [b, heads, nq, d] fp32 or bf16; k, v [b, kv_heads, T, d] fp32 or bf16 (rows contiguous, any other strides);
 // visible [b, nq, T] bool; out [b, heads, nq, d] in q's dtype (computed in fp32). d must be a multiple of 16.
@@ -80,6 +81,15 @@ __attribute__((noinline)) void exp16(const float* __restrict s, float m, float* 
   for (int l = 0; l < kLanes; ++l) y[l] = exp_nonpositive(s[l] - m);
 }
 
+// Which of the n <= 16 weights at p are not 0, as bits (NaN counts as not 0, as `p[l] != 0.0f` says); p has 16
+// readable floats
+inline uint32_t nonzero16(const float* p, int64_t n) {
+  const __m256 zero = _mm256_setzero_ps();
+  const uint32_t bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p), zero, _CMP_NEQ_UQ)) |
+                        _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + 8), zero, _CMP_NEQ_UQ)) << 8;
+  return bits & ((1u << n) - 1);
+}
+
 // A cached row in fp32: an fp32 cache is read in place, a bf16 row is widened into `buf` (exactly)
 inline const float* row_fp32(const float* row, float*, int64_t) { return row; }
 inline const float* row_fp32(const at::BFloat16* row, float* buf, int64_t d) {
@@ -104,6 +114,51 @@ inline __m256 dot8(const float* q, const float* const* key, int64_t d) {
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
 }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define DFLASH_ATTN_512 1
+// dot8 for a few rows at once in 16-lane registers, with the same bits: a register holds two keys' 8-lane partial
+// sums side by side, each lane taking the same multiply-adds in the same order as dot8's, and the same tree adds
+// each key's lanes. Half the instructions per row, and the keys are loaded once for all the rows.
+//
+// The block's 8 keys as dot8_rows reads them: keys 2p and 2p+1 side by side, 8 dimensions at a time,
+// pairs[((c / 8) * 4 + p) * 16 + 8 * (key % 2) + c % 8].
+inline void pair_keys(const float* const* key, int64_t d, float* pairs) {
+  for (int64_t c = 0; c < d; c += 8)
+    for (int p = 0; p < 4; ++p)
+      _mm512_storeu_ps(pairs + ((c / 8) * 4 + p) * 16,
+                       _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(key[2 * p] + c)),
+                                          _mm256_loadu_ps(key[2 * p + 1] + c), 1));
+}
+
+// _mm256_hadd_ps in each 128-bit lane: [a0+a1, a2+a3, b0+b1, b2+b3]
+inline __m512 hadd_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The dot products of NR queries with the 8 keys of `pairs`, as dot8 computes each
+template <int NR>
+inline void dot8_rows(const float* const* q, const float* pairs, int64_t d, __m256* out) {
+  __m512 acc[NR][4];
+  for (int i = 0; i < NR; ++i)
+    for (int p = 0; p < 4; ++p) acc[i][p] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const float* kp = pairs + (c / 8) * 64;
+    for (int i = 0; i < NR; ++i) {
+      const __m512 qc = _mm512_broadcast_f32x8(_mm256_loadu_ps(q[i] + c));
+      for (int p = 0; p < 4; ++p) acc[i][p] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kp + 16 * p), acc[i][p]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    // per 128-bit lane: lane 0 holds keys 0, 2, 4, 6's (l0+l1)+(l2+l3), lane 1 their (l4+l5)+(l6+l7), lanes 2
+    // and 3 the same of keys 1, 3, 5, 7; then the halves are added and the keys put in order
+    const __m512 g = hadd_lanes(hadd_lanes(acc[i][0], acc[i][1]), hadd_lanes(acc[i][2], acc[i][3]));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(g, g, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(g, g, _MM_SHUFFLE(3, 1, 3, 1)));
+    out[i] = _mm256_permutevar8x32_ps(_mm512_castps512_ps256(s), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  }
+}
+#endif
 
 // x[i][l] -> x[l][i]
 inline void transpose8(__m256* x) {
@@ -150,21 +205,47 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
   lo -= lo % kLanes;  // blocks of 16 (and of 8) start where they did
   const int64_t S = (hi - lo + kLanes - 1) / kLanes * kLanes;  // the span, padded with -inf scores
   std::vector<float> scores(R * S, neg_inf), kbuf(8 * d), zeros(d, 0.0f), block(kLanes * d);
+#ifdef DFLASH_ATTN_512
+  std::vector<float> pairs(8 * d);
+#endif
   // scores, 8 keys at a time (each widened once for all the rows); a row skips the keys it sees none of
   for (int64_t j0 = lo; j0 < hi; j0 += 8) {
     const int64_t n = std::min<int64_t>(8, hi - j0);
     const float* key[8];
     for (int64_t l = 0; l < 8; ++l)
       key[l] = l < n ? row_fp32(k + (j0 + l) * k_stride, kbuf.data() + l * d, d) : zeros.data();
-    for (int64_t r = r0; r < r1; ++r) {
-      uint64_t seen = 0;  // the row's 8 flags (bool is one byte, 0 or 1); past the last key none
-      std::memcpy(&seen, visible + (r % nq) * T + j0, n);
-      if (seen == 0) continue;
-      const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(seen)));
+    uint64_t seen[2] = {};  // a row's 8 flags (bool is one byte, 0 or 1); past the last key none
+    const auto put = [&](int64_t r, uint64_t flags8, __m256 dots) {
+      const __m256i flags = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(flags8)));
       const __m256 shown = _mm256_castsi256_ps(_mm256_cmpgt_epi32(flags, _mm256_setzero_si256()));
-      const __m256 dots = _mm256_mul_ps(dot8(q + r * d, key, d), _mm256_set1_ps(scale));
       _mm256_storeu_ps(scores.data() + (r - r0) * S + (j0 - lo),
-                       _mm256_blendv_ps(_mm256_set1_ps(neg_inf), dots, shown));
+                       _mm256_blendv_ps(_mm256_set1_ps(neg_inf), _mm256_mul_ps(dots, _mm256_set1_ps(scale)), shown));
+    };
+    int64_t r = r0;
+#ifdef DFLASH_ATTN_512
+    pair_keys(key, d, pairs.data());
+    for (; r + 2 <= r1; r += 2) {  // two rows at a time: eight independent chains of multiply-adds
+      std::memcpy(&seen[0], visible + (r % nq) * T + j0, n);
+      std::memcpy(&seen[1], visible + ((r + 1) % nq) * T + j0, n);
+      if ((seen[0] | seen[1]) == 0) continue;
+      const float* rows[2] = {q + r * d, q + (r + 1) * d};
+      __m256 dots[2];
+      dot8_rows<2>(rows, pairs.data(), d, dots);
+      for (int i = 0; i < 2; ++i)
+        if (seen[i] != 0) put(r + i, seen[i], dots[i]);
+    }
+#endif
+    for (; r < r1; ++r) {
+      std::memcpy(&seen[0], visible + (r % nq) * T + j0, n);
+      if (seen[0] == 0) continue;
+#ifdef DFLASH_ATTN_512
+      const float* row = q + r * d;
+      __m256 dots;
+      dot8_rows<1>(&row, pairs.data(), d, &dots);
+      put(r, seen[0], dots);
+#else
+      put(r, seen[0], dot8(q + r * d, key, d));
+#endif
     }
   }
   // softmax weights (the maximum is exact in any order)
@@ -206,23 +287,22 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
     for (int64_t l = 0; l < n; ++l) value[l] = row_fp32(v + (j0 + l) * v_stride, block.data() + l * d, d);
     const auto one_row = [&](int64_t r) {
       const float* p = weights.data() + r * S + (j0 - lo);
-      bool any = false;
-      for (int64_t l = 0; l < n; ++l) any |= p[l] != 0.0f;
-      if (!any) return;
+      const uint32_t used = nonzero16(p, n);  // the keys it weighs, taken in slot order
+      if (used == 0) return;
       float* a = acc.data() + r * d;
       if constexpr (D != 0) {
         float o[D];
         for (int c = 0; c < D; ++c) o[c] = a[c];
-        for (int64_t l = 0; l < n; ++l) {
-          if (p[l] == 0.0f) continue;
+        for (uint32_t left = used; left != 0; left &= left - 1) {
+          const int l = __builtin_ctz(left);
           const float* vl = value[l];
 #pragma omp simd
           for (int c = 0; c < D; ++c) o[c] += p[l] * vl[c];
         }
         for (int c = 0; c < D; ++c) a[c] = o[c];
       } else {
-        for (int64_t l = 0; l < n; ++l) {
-          if (p[l] == 0.0f) continue;
+        for (uint32_t left = used; left != 0; left &= left - 1) {
+          const int l = __builtin_ctz(left);
           const float* vl = value[l];
 #pragma omp simd
           for (int64_t c = 0; c < d; ++c) a[c] += p[l] * vl[c];
@@ -239,12 +319,32 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
         bool all = true;
         for (int i = 0; i < 4; ++i) {
           p[i] = weights.data() + (r + i) * S + (j0 - lo);
-          for (int64_t l = 0; l < n; ++l) all &= p[i][l] != 0.0f;
+          all &= nonzero16(p[i], n) == (1u << n) - 1;
         }
         if (!all) {
           for (int i = 0; i < 4; ++i) one_row(r + i);
           continue;
         }
+#ifdef DFLASH_ATTN_512
+        if constexpr (D % 64 == 0) {  // the same multiply-adds, 16 lanes at a time and 64 elements per pass
+          for (int c = 0; c < D; c += 64) {
+            __m512 o[4][4];
+            for (int i = 0; i < 4; ++i)
+              for (int e = 0; e < 4; ++e) o[i][e] = _mm512_loadu_ps(acc.data() + (r + i) * d + c + 16 * e);
+            for (int64_t l = 0; l < n; ++l) {
+              __m512 vl[4];
+              for (int e = 0; e < 4; ++e) vl[e] = _mm512_loadu_ps(value[l] + c + 16 * e);
+              for (int i = 0; i < 4; ++i) {
+                const __m512 w = _mm512_set1_ps(p[i][l]);
+                for (int e = 0; e < 4; ++e) o[i][e] = _mm512_fmadd_ps(w, vl[e], o[i][e]);
+              }
+            }
+            for (int i = 0; i < 4; ++i)
+              for (int e = 0; e < 4; ++e) _mm512_storeu_ps(acc.data() + (r + i) * d + c + 16 * e, o[i][e]);
+          }
+          continue;
+        }
+#endif
         for (int c = 0; c < D; c += 16) {
           __m256 o[4][2];
           for (int i = 0; i < 4; ++i) {
