@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cpu_features import needs_attention_kernel
 from dflash import kernels, machine
 from dflash.errors import DFlashConfigError
 
@@ -44,8 +45,14 @@ def _beyond_avx2() -> bool:
     return any(f.startswith(("avx512", "amx", "avx_vnni", "avx_ne_convert")) for f in flags)
 
 
-@pytest.mark.skipif(os.environ.get("DFLASH_MAX_CPU_ISA") == "avx2", reason="already limited to AVX2")
-@pytest.mark.skipif(not _beyond_avx2(), reason="this CPU has nothing beyond AVX2: the suite itself took its paths")
+# a process limited to AVX2 takes paths other than this one's only where this one may use more than AVX2
+_LIMITED = os.environ.get("DFLASH_MAX_CPU_ISA") == "avx2"
+needs_paths_beyond_avx2 = pytest.mark.skipif(
+    _LIMITED or not _beyond_avx2(), reason="already limited to AVX2" if _LIMITED else
+    "this CPU has nothing beyond AVX2: the suite itself took an AVX2-only CPU's paths")
+
+
+@needs_paths_beyond_avx2
 def test_the_kernel_and_runtime_tests_pass_as_on_an_avx2_only_cpu():
     # the tests of every path that depends on the CPU's extensions, run again in a process limited to AVX2:
     # what needs the extensions skips (and says so), everything else must pass there too
@@ -75,10 +82,8 @@ torch.save(out, sys.argv[1])
 """
 
 
-@pytest.mark.skipif(os.environ.get("DFLASH_MAX_CPU_ISA") == "avx2", reason="already limited to AVX2")
-@pytest.mark.skipif(not _beyond_avx2(), reason="this CPU has nothing beyond AVX2: there is one attention build")
-@pytest.mark.skipif(not kernels.cache_attention_kernel(), reason="dflash's attention kernel needs an x86 CPU and a "
-                    "C++ compiler")
+@needs_paths_beyond_avx2
+@needs_attention_kernel
 def test_the_attention_kernel_gives_the_same_bits_built_for_avx512_as_for_avx2(tmp_path):
     # the AVX-512 build's 16-lane paths (two keys per register for the scores, 64 value elements per pass) must
     # make every sum the AVX2 code makes, in its order: a model's tokens do not depend on the build
