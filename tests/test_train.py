@@ -856,3 +856,31 @@ def test_a_trained_draft_grows_layers_that_start_as_the_identity(lang, tmp_path)
     grown = DFlashDraftModel.from_pretrained(tmp_path / "two" / "final", target=target)
     assert grown.config.num_hidden_layers == 2 and len(grown.layers) == 2
     assert grown.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # trained away from zero
+
+
+KEEP_MEMORY_SCRIPT = """
+import os, sys, torch
+from dflash.machine import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+x = torch.ones(20 << 18)  # a 20 MiB activation, every page touched
+del x
+print(kept, (resident() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc")
+def test_training_keeps_freed_activations_for_the_next_step():
+    """In a fresh process, a freed 20 MiB tensor goes back to the kernel by default (the next step's gets fresh
+    pages, which the kernel zeroes), and stays in the process after keep_freed_memory."""
+    kept_mib = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", KEEP_MEMORY_SCRIPT, mode], capture_output=True, text=True,
+                             check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        kept, mib = out.stdout.split()
+        assert kept == ("True" if mode == "keep" else "None")
+        kept_mib[mode] = int(mib)
+    assert kept_mib["keep"] >= 18 and kept_mib["default"] <= 4, kept_mib

@@ -99,6 +99,29 @@ def set_default_threads(threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+def keep_freed_memory() -> bool:
+    """Has glibc's malloc keep the memory a process frees for its next allocations instead of handing it back to
+    the kernel: the heap is trimmed only past 1 GiB free at its top, and blocks up to 32 MiB come from the heap
+    rather than from fresh mappings. A draft's training step allocates and frees a few hundred MB of activations;
+    by default glibc returns the top of the heap once a few tens of MB lie free there, and the kernel then zeroes
+    every page again on first touch (`clear_page_erms` took 9% of a training step's CPU time on a 2-core
+    AVX-512 Xeon; with this, the default draft's steps took 0.525 s instead of 0.56, medians of three 110-step
+    runs each). The process keeps up to its peak use; the values computed do not change. False where the C
+    library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # malloc.h
+    settings = ((m_mmap_threshold, 32 << 20), (m_trim_threshold, 1 << 30), (m_top_pad, 64 << 20))
+    return all(mallopt(param, value) == 1 for param, value in settings)
+
+
 def available_memory(device: torch.device | str | None = None) -> int | None:
     """Bytes free for new tensors: the GPU's free memory, or the system's MemAvailable; None where unknown."""
     device = torch.device(device) if device is not None else default_device()

@@ -27,6 +27,7 @@ from .config import DRAFT_METHODS
 from .eagle import Eagle3DraftModel, Eagle3TrainStep
 from .errors import DFlashError
 from .io import atomic_write_text, normal_permissions, save_png
+from .machine import keep_freed_memory
 from .model import DFlashDraftModel, block_inputs, head_loss
 from .target import target_features
 
@@ -480,6 +481,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
                           "--distill-topk K) and pass --distill-topk K")
     if cfg.num_kv_heads is not None and cfg.method != "dflash":
         raise DFlashError(f"--num-kv-heads {cfg.num_kv_heads}: the {cfg.method} drafter keeps the target's heads")
+    keep_freed_memory()  # every step frees and allocates its activations again
     if target is None:
         device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
         target, tokenizer = load_target(cfg.target, dtype=precision(cfg.dtype, device), device=device,
