@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -872,7 +873,7 @@ print(kept, (resident() - before) >> 20)
 """
 
 
-@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc")
 def test_training_keeps_freed_activations_for_the_next_step():
     """In a fresh process, a freed 20 MiB tensor goes back to the kernel by default (the next step's gets fresh
     pages, which the kernel zeroes), and stays in the process after keep_freed_memory."""
