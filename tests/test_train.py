@@ -866,8 +866,9 @@ kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+torch.ones(1 << 10).add_(1)  # the first op's own lazy set-up stays out of the count
 before = resident()
-x = torch.ones(20 << 18)  # a 20 MiB activation, every page touched
+x = torch.ones(30 << 18)  # a 30 MiB activation, every page touched
 del x
 print(kept, (resident() - before) >> 20)
 """
@@ -875,7 +876,7 @@ print(kept, (resident() - before) >> 20)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc")
 def test_training_keeps_freed_activations_for_the_next_step():
-    """In a fresh process, a freed 20 MiB tensor goes back to the kernel by default (the next step's gets fresh
+    """In a fresh process, a freed 30 MiB tensor goes back to the kernel by default (the next step's gets fresh
     pages, which the kernel zeroes), and stays in the process after keep_freed_memory."""
     kept_mib = {}
     for mode in ("keep", "default"):
@@ -884,4 +885,4 @@ def test_training_keeps_freed_activations_for_the_next_step():
         kept, mib = out.stdout.split()
         assert kept == ("True" if mode == "keep" else "None")
         kept_mib[mode] = int(mib)
-    assert kept_mib["keep"] >= 18 and kept_mib["default"] <= 4, kept_mib
+    assert kept_mib["keep"] >= 27 and kept_mib["default"] <= 10, kept_mib
