@@ -468,6 +468,19 @@ def test_a_bf16_draft_proposes_on_q8_0_whether_or_not_the_cpu_packs_bf16(monkeyp
         assert draft._layer_stack() is None
 
 
+@needs_int4_kernel
+def test_a_draft_beside_a_4bit_target_multiplies_at_4_bits():
+    from dflash.batch import SpecBatch
+    from dflash.model import DFlashDraftModel
+    from tiny import tiny_target
+
+    target = tiny_target("llama", seed=4).bfloat16()
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    for runtime, bits in (("fast-int4", 4), ("fast", 8), ("fast-int4-compile", 4), ("fast-int8", 8)):
+        SpecBatch(target, draft, 4, 32, runtime)
+        assert draft.inference_bits == bits, runtime
+
+
 def _q8_draft_products(monkeypatch):
     """A bf16 draft's Python layers' products on the Q8_0 kernel, as on a CPU without bf16 packing, also on one
     where oneDNN packs bf16 (their `linear` would take the packed weight there; the one-call paths take Q8_0 on
@@ -476,19 +489,32 @@ def _q8_draft_products(monkeypatch):
     monkeypatch.setattr(kernels, "packable", lambda w: False)
 
 
+class _Q4Products(kernels.Int4Weight):
+    """Int4Weight where the Python layers' products would take Q8Weight: a draft's products at 4 bits."""
+
+    fits = staticmethod(kernels.Int4Weight.fits)
+
+    def __init__(self, w):
+        super().__init__(w, ours=True)
+
+
 @needs_int4_kernel
 @needs_attention_kernel
-def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monkeypatch):
-    # a bf16 draft whose products run on the Q8_0 kernel runs its layers at inference in one decoder_layers call
-    # and writes its context in one context_kv call (DFlashDraftModel._layer_stack): bit for bit its Python layers
-    # with the attention in fp32 (PyTorch's bf16 SDPA rounds the softmax weights to bf16; the kernel keeps them
-    # in fp32), ragged rows and all
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monkeypatch, bits):
+    # a bf16 draft whose products run on the Q8_0 kernel (or its Q4_1 one, beside a 4-bit target) runs its layers
+    # at inference in one decoder_layers call and writes its context in one context_kv call
+    # (DFlashDraftModel._layer_stack): bit for bit its Python layers with the attention in fp32 (PyTorch's bf16
+    # SDPA rounds the softmax weights to bf16; the kernel keeps them in fp32), ragged rows and all
     from dflash.model import DFlashDraftModel, DraftKVCache
     from tiny import tiny_target
 
     _q8_draft_products(monkeypatch)
+    if bits == 4:
+        monkeypatch.setattr(kernels, "Q8Weight", _Q4Products)
     target = tiny_target("qwen3", seed=4).to(torch.bfloat16)
     draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4).to(torch.bfloat16)
+    draft.inference_bits = bits
     g = torch.Generator().manual_seed(5)
     T, B = 20, 4
     feats = torch.randn(2, T, draft.fc.weight.shape[1], generator=g).bfloat16()
@@ -518,6 +544,7 @@ def test_a_bf16_drafts_layers_in_one_call_compute_what_its_python_layers_do(monk
                 m.setattr(DFlashDraftModel, "_layer_stack", lambda self: None)
                 draft.write_context(feats[:, part], python_cache, part.start)
         assert draft._stack is not None and cache.keys[:, :, :, :T].abs().sum() > 0
+        assert draft._stack[2].endswith({8: "q8_linear", 4: "int4_linear"}[bits])
         assert torch.equal(cache.keys, python_cache.keys) and torch.equal(cache.values, python_cache.values)
         fused = draft(block, pos, cache, valid)
         assert torch.equal(fused, python_layers())

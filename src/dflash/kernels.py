@@ -349,6 +349,11 @@ class Int4Weight(_WeightOnlyQuantized):
 
     GROUP = 32
 
+    @staticmethod
+    def fits(w: torch.Tensor) -> bool:
+        """Whether w can run on dflash's kernel here."""
+        return w.device.type == "cpu" and w.shape[0] % 16 == 0 and w.shape[1] % Int4Weight.GROUP == 0 and int4_kernel()
+
     def __init__(self, w: torch.Tensor, ours: bool | None = None):
         """ours: whether to use dflash's kernel (None: where it is available)."""
         out_features, in_features = w.shape
