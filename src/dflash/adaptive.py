@@ -8,15 +8,17 @@ step, the width with the most expected committed tokens per second, from what it
 
 - acceptance, per block slot k: of the rows whose slots 1..k-1 were accepted and that had slot k to verify,
   the fraction that got slot k accepted too (counts decay, so the rates follow the text being written);
-- cost: the step's wall time for this many rows at this width, as measured (a decaying average) where it was
-  measured recently, else from a + b x (tokens verified) + c x (drafts were made) fitted over recent steps
-  (a step with drafts also runs the draft, which a line through plain steps and whole blocks would spread
-  over the widths between and so make narrow blocks look cheap; and the verify cost on a CPU is not quite
-  linear, which the measured shapes correct).
+- cost: the step's wall time for this many rows at this width (without writing the draft context that
+  earlier steps left pending, see SpecBatch.flush_seconds), as measured (a decaying average that damps
+  outliers) where it was measured recently, else from a + b x (tokens verified) + c x (drafts were made)
+  fitted over recent steps (a step with drafts also runs the draft, which a line through plain steps and whole
+  blocks would spread over the widths between and so make narrow blocks look cheap; and the verify cost on a
+  CPU is not quite linear, which the measured shapes correct).
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
-much worse than decoding without a draft. While the choice is narrow, twice that width is verified now and
-then to keep measuring the slots past it, less and less often while those probes change nothing. Every width
+much worse than decoding without a draft. While the choice is narrow, twice that width (from plain decoding,
+the width drafting would take) is verified now and then to keep measuring the slots past it, less and less
+often while those probes change nothing. Every width
 keeps the output exact: the verify rule does not depend on how many proposals are checked.
 """
 
@@ -42,6 +44,7 @@ class WidthController:
         # (rows, width, the draft ran) -> [EMA seconds, weight]
         self.cost: dict[tuple[int, int, bool], list[float]] = {}
         self.last = None
+        self.cold_start = [2, 1, 4]  # the first widths, see choose
         self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
 
     # ---- what was measured -----------------------------------------------------------------------------
@@ -61,7 +64,10 @@ class WidthController:
         for entry in self.cost.values():
             entry[1] *= self.decay
         entry = self.cost.setdefault(self._key(tokens // width, width, drafted), [seconds, 0.0])
-        entry[0] += 0.3 * (seconds - entry[0])
+        # one slow step (a collection, the OS) moves a shape's price up by at most 7.5%: priced dear, a shape is
+        # chosen, and so measured, no more, and one outlier kept the best width out of use for ~80 steps (the
+        # default draft on GSM8K, AVX-512 Xeon: 14 ms for width 3 where its steps took 8)
+        entry[0] += 0.3 * (min(seconds, 1.25 * entry[0]) - entry[0])
         entry[1] += 1.0
 
     def slot_rates(self) -> list[float]:
@@ -108,10 +114,14 @@ class WidthController:
         """The width (1..max_width) for the next step of `rows` rows."""
         cap = self.B if max_width is None else max(1, min(max_width, self.B))
         fit = self.step_seconds()
-        if fit is None:
-            # two token counts are needed to price width: one step of two, then a plain one (not a whole block:
-            # where verifying is dear that first step alone costs several plain ones, and a good draft shows in
-            # slot 1, whose rate the far slots are smoothed toward, so the next choice can go wide at once)
+        if self.cold_start:
+            # three shapes price width: a step of two, a plain one, and one of four, which tells the draft's own
+            # cost from the verify's (with two, a line through them charges the draft to every verified token,
+            # and wider blocks looked several times dearer than they are: the choice stayed plain). Not a whole
+            # block: where verifying is dear that step alone costs several plain ones, and a good draft shows in
+            # slot 1, whose rate the far slots are smoothed toward, so the next choice can go wide at once.
+            w = min(self.cold_start.pop(0), cap)
+        elif fit is None:
             w = 1 if self.last is not None and self.last > 1 else min(2, cap)
         else:
             a, b, c = fit
@@ -130,8 +140,12 @@ class WidthController:
             if w < cap and self.since_probe >= self.probe_every:
                 # now and then verify twice the chosen width, so the slots just past it stay measured; a
                 # far slot matters only once the nearer ones pay, and where verifying is dear (a CPU without
-                # fast multi-row kernels) a whole-block probe costs several plain steps
-                self.probed_from, w = w, min(cap, 2 * w)
+                # fast multi-row kernels) a whole-block probe costs several plain steps. From plain decoding,
+                # the width that drafting would take: where the draft's forward is most of a drafted step's cost,
+                # width 2 can lose to plain steps while 4 wins, and probes of 2 alone, one slot each, left the
+                # choice plain for a hundred steps of a draft whose width 4 paid
+                best_drafted = 1 + rate.index(max(rate[1:]), 1) if cap > 1 else 1
+                self.probed_from, w = w, min(cap, max(2 * w, best_drafted))
                 self.since_probe = 0
         self.last = w
         self.width_counts[w] += 1

@@ -6,6 +6,7 @@ drive the same object, so the step that makes the output lossless exists once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,6 +110,11 @@ class SpecBatch:
         self.dcache: DraftKVCache | None = None
         self.pending: tuple[torch.Tensor, int] | None = None  # target features not yet in the draft cache, slot
         self.compactions = 0
+        # seconds the last step spent writing context held back by earlier steps (the prompt's, or a run of plain
+        # steps'): the adaptive controllers price a width by the step's own work, not by what the steps before
+        # it left pending (a drafted step after a prompt or a run of plain steps would otherwise look dear, and
+        # the choice would stick to plain decoding)
+        self.flush_seconds = 0.0
         self.growths = 0
 
     @property
@@ -176,7 +182,11 @@ class SpecBatch:
             # pending target features go into the draft cache before the draft reads it; plain steps leave
             # them pending and `commit` appends theirs, so a run of plain steps writes its context in one go
             # (a chain drafter's entries need the token after each, so it writes every step)
+            t = time.perf_counter()
             self.flush(anchor[:, 0])
+            self.flush_seconds = time.perf_counter() - t
+        else:
+            self.flush_seconds = 0.0
         if width == 1:
             verify_ids = anchor
         elif self.ngram is not None or proposals is not None:

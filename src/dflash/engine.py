@@ -361,10 +361,11 @@ class ModelRunner:
         n_list, tokens = host[:L], host[L:]
         self.batch.commit(n_keep, max(n_list))
         accepted_live = [n - 1 for s, n in zip(self.rows, n_list) if s is not None]
+        seconds = time.perf_counter() - t0 - self.batch.flush_seconds  # see SpecBatch.flush_seconds
         if adaptive:
-            self.widths.observe(accepted_live, width, L * width, time.perf_counter() - t0)
+            self.widths.observe(accepted_live, width, L * width, seconds)
         if self.budgets is not None and option is not None:
-            self.budgets.observe(accepted_live, option, time.perf_counter() - t0,
+            self.budgets.observe(accepted_live, option, seconds,
                                  [m for (m, _), s in zip(found, self.rows) if s is not None], q)
         return [tokens[i * q:i * q + n] for i, n in enumerate(n_list)], n_list
 

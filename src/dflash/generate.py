@@ -274,10 +274,11 @@ class _Generation:
             n_done = sum(done_rows)
             # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
             batch.commit(n_take, max(n_rows))
+            seconds = time.perf_counter() - t_step - batch.flush_seconds
             if self.widths is not None:
-                self.widths.observe([a - 1 for a in acc], width, L * width, time.perf_counter() - t_step)
+                self.widths.observe([a - 1 for a in acc], width, L * width, seconds)
             if self.budgets is not None:
-                self.budgets.observe([a - 1 for a in acc], option, time.perf_counter() - t_step,
+                self.budgets.observe([a - 1 for a in acc], option, seconds,
                                      [n for (n, _), on in zip(found, host[3 * L:4 * L]) if on] if found else None, q)
             self.acceptance += acc
             self.num_steps += 1
