@@ -180,7 +180,7 @@ def test_int4_kernel_matches_its_arithmetic_and_a_row_does_not_depend_on_the_bat
     g = torch.Generator().manual_seed(1)
     w = kernels.Int4Weight(torch.randn(out_features, in_features, generator=g))
     assert w.ours
-    for rows in (1, 2, 3, 5, 8, 13, 17):  # every row-count template, several passes of 8 rows, tails of tiles
+    for rows in (*range(1, 9), 13, 17):  # every row-count template, several passes of 8 rows, tails of tiles
         x = torch.randn(rows, in_features, generator=g).bfloat16()
         x[0, :32] = 0  # an all-zero group has no int8 step
         y = w.linear(x, None)

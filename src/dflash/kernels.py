@@ -365,10 +365,11 @@ class Int4Weight(_WeightOnlyQuantized):
         scale = ((high - low) / 15).clamp(min=1e-12)
         q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
         q = q.view(out_features, in_features)
-        self.ours = ours is not False and out_features % 16 == 0 and int4_kernel()
+        self.ours = ours is not False and self.fits(w)
         if ours and not self.ours:
-            raise DFlashConfigError(f"dflash's int4 kernel cannot take a weight of {out_features} outputs here (it "
-                                    f"needs a multiple of 16 and an x86 CPU with AVX-512 VNNI or AVX2)")
+            raise DFlashConfigError(f"dflash's int4 kernel cannot take a weight of {out_features} outputs on "
+                                    f"{w.device} here (it needs a multiple of 16, on an x86 CPU with AVX-512 VNNI or "
+                                    f"AVX2)")
         if self.ours:  # the layout csrc/int4.cpp documents
             self.op = int4_op()
             tiles, octets = out_features // 16, in_features // 8
