@@ -469,6 +469,31 @@ def test_a_bf16_draft_proposes_on_q8_0_whether_or_not_the_cpu_packs_bf16(monkeyp
 
 
 @needs_int4_kernel
+def test_the_draft_builds_its_layer_stack_again_whenever_a_weight_changes():
+    # the one-call paths multiply by quantised copies: a weight written in place, a parameter or a module put in
+    # another's place, and added layers must each give a new stack, and nothing else may
+    from dflash import DFlashDraftModel
+    from tiny import tiny_target
+
+    draft = DFlashDraftModel.from_target(tiny_target("qwen3", seed=2).bfloat16(), num_layers=1, block_size=4)
+    mlp, attn = draft.layers[0].mlp, draft.layers[0].self_attn
+    changes = [lambda: mlp.down_proj.weight.mul_(2),
+               lambda: setattr(attn.o_proj, "weight", torch.nn.Parameter(attn.o_proj.weight.detach().clone())),
+               lambda: setattr(mlp, "up_proj", torch.nn.Linear(mlp.up_proj.in_features, mlp.up_proj.out_features,
+                                                               bias=False, dtype=torch.bfloat16)),
+               lambda: draft.grow_layers(2)]
+    with torch.no_grad():
+        stack = draft._layer_stack()
+        assert stack is not None and draft._layer_stack() is stack
+        for change in changes:
+            change()
+            new = draft._layer_stack()
+            assert new is not stack and draft._layer_stack() is new
+            stack = new
+    assert len(stack[1]) == 2 * 16  # the grown draft's two layers, 16 weights each
+
+
+@needs_int4_kernel
 def test_a_draft_beside_a_4bit_target_multiplies_at_4_bits():
     from dflash.batch import SpecBatch
     from dflash.model import DFlashDraftModel
