@@ -554,16 +554,19 @@ class DFlashDraftModel(nn.Module):
         half = sin.shape[-1] // 2
         return cos, torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
-    def _weights_key(self) -> tuple:
-        """What the layer stack is built from: the bits, and every parameter's identity, version (in-place writes)
-        and storage, found by walking the modules' own tables: `self.parameters()` (names, a set of seen tensors)
-        made this check ~80 us, twice a step; this way it takes ~20 (SmolLM2's one-layer draft, AMD EPYC)."""
-        key, stack = [self.inference_bits], [self]
+    def _tensors(self, buffers: bool = False) -> list[torch.Tensor]:
+        """The draft's parameters (and buffers), found by walking the modules' own tables, for the keys of the
+        cached layer stack and graphs, checked at every propose and context write: with `self.parameters()`
+        (names, a set of seen tensors) the stack's check took ~80 us, this way ~20 (SmolLM2's one-layer draft,
+        AMD EPYC AVX2, timeit). A tensor shared by two modules comes twice, which changes no key."""
+        out, stack = [], [self]
         while stack:
             m = stack.pop()
-            key += [(id(p), p._version, p.data_ptr()) for p in m._parameters.values() if p is not None]
+            out += [t for t in m._parameters.values() if t is not None]
+            if buffers:
+                out += [t for t in m._buffers.values() if t is not None]
             stack += [c for c in m._modules.values() if c is not None]
-        return tuple(key)
+        return out
 
     def _layer_stack(self):
         """(key, weights, op, context weights) for running the draft at inference through the attention kernel's
@@ -581,10 +584,10 @@ class DFlashDraftModel(nn.Module):
         w = self.fc.weight
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or w.dtype != torch.bfloat16 or w.is_cuda:
             return None
-        key = self._weights_key()
+        params = self._tensors()
+        key = (self.inference_bits, *((id(p), p._version, p.data_ptr()) for p in params))
         if self._stack is not None and self._stack[0] == key:
             return self._stack
-        params = list(self.parameters())
         c = self.config
         if (c.head_dim % 16 or c.hidden_size % 16 or SLIDING_ATTENTION in c.layer_types or
                 not all(Q8Weight.fits(p) for p in params if p.dim() == 2) or
@@ -708,7 +711,7 @@ class DFlashDraftModel(nn.Module):
         on the weights before every call). Built on first use, and again whenever a tensor of the draft or of
         the borrowed embedding is replaced or changes dtype, shape or device; values written in place need
         nothing, the graphs read the tensors at every call."""
-        tensors = (*self.parameters(), *self.buffers(), self.embed_tokens.weight)
+        tensors = (*self._tensors(buffers=True), self.embed_tokens.weight)
         key = tuple((id(t), t.dtype, t.shape, t.device) for t in tensors)
         if self._compiled is None or self._compiled[0] != key:
             state = (self, self.embed_tokens)
