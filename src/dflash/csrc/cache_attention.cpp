@@ -399,11 +399,13 @@ void attend(const float* q, const KV* k, const KV* v, Strides ks, Strides vs, co
   const int64_t groups = heads / kv_heads, R = groups * nq, pairs = b * kv_heads;
   const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + pairs - 1) / pairs, 1, R);
   at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = begin; task < end;) {
+      // the parts of one pair a thread takes one after the other are one call: its keys widened once
       const int64_t pair = task / parts, part = task % parts, bi = pair / kv_heads, h = pair % kv_heads;
-      const int64_t off = (bi * heads + h * groups) * nq * d;
+      const int64_t last = std::min(end, (pair + 1) * parts), off = (bi * heads + h * groups) * nq * d;
       head_rows_any(q + off, k + bi * ks.row + h * ks.head, v + bi * vs.row + h * vs.head, visible + bi * nq * T,
-                    out + off, part * R / parts, (part + 1) * R / parts, nq, T, d, ks.slot, vs.slot, scale);
+                    out + off, part * R / parts, (last - pair * parts) * R / parts, nq, T, d, ks.slot, vs.slot, scale);
+      task = last;
     }
   });
 }
@@ -485,6 +487,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // weights: per layer kPerLayer tensors (absent ones None), in the order of the W enum below.
 enum W { kLn1, kQkv, kQkvS, kQkvB, kQNorm, kKNorm, kO, kOS, kOB, kLn2, kGu, kGuS, kGuB, kDown, kDownS, kDownB, kPerLayer };
 
+// A step's per-row work is split between the threads from this many rows (elements for SiLU) on: below that,
+// waking them costs more than the work (about 1.2 us a parallel region on 2 threads of an AMD EPYC VM).
+constexpr int64_t kParallelRows = 4, kParallelElements = 4096;
+constexpr int64_t kMaxHead = 512;  // the head sizes decoder_layers takes
+
 using LinearOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
 
 // y = x @ W^T (+ bias, added in bf16 as PyTorch's bf16 add rounds it)
@@ -532,7 +539,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor out = at::empty(shape, c.options());
   const uint16_t* gp = bits(c);
   uint16_t* op = bits(out);
-  for (int64_t r = 0; r < rows; ++r) silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, op + r * I, I);
+  at::parallel_for(0, rows, rows * I >= kParallelElements ? 1 : rows, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * 2 * I, gp + r * 2 * I + I, op + r * I, I);
+  });
   return out;
 }
 
@@ -564,7 +573,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == M * d && cos.scalar_type() == at::kBFloat16 &&
                   sin.scalar_type() == at::kBFloat16,
               "decoder_layers: cos and sin must be bf16 [b, q, head_dim]");
-  TORCH_CHECK(d % kLanes == 0 && heads % kv_heads == 0 && H % kLanes == 0, "decoder_layers: bad head sizes");
+  TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead && heads % kv_heads == 0 && H % kLanes == 0,
+              "decoder_layers: bad head sizes");
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.size(0) == b &&
                   visible.size(1) == nq && visible.size(2) == T,
               "decoder_layers: visible must be bool [b, q, pointer + q]");
@@ -587,31 +597,38 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   at::Tensor qf = at::empty({b, heads, nq, d}, opts.dtype(at::kFloat)), of = at::empty_like(qf);
   uint16_t *xp = bits(x), *hp = bits(h), *opp = bits(o);
   float *qfp = qf.data_ptr<float>(), *ofp = of.data_ptr<float>();
-  std::vector<uint16_t> rot(d);
   std::vector<at::Tensor> tapped;
+  // a step's per-row work (norms, RoPE, the cache writes, residuals), split between the threads from
+  // kParallelRows rows on
+  const auto each_row = [&](const auto& f) {
+    at::parallel_for(0, M, M >= kParallelRows ? 1 : M, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) f(m);
+    });
+  };
+  each_row([&](int64_t m) { norm_row(xp + m * H, bits(*weights.get(kLn1)), hp + m * H, H, eps); });
   for (int64_t li = 0; li < L; ++li) {
     const auto w = [&](W k) { return weights.get(li * kPerLayer + k); };
-    for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*w(kLn1)), hp + m * H, H, eps);
     at::Tensor qkv = product(op, h, w(kQkv), w(kQkvS), w(kQkvB));  // [M, (heads + 2 kv_heads) d]
     uint16_t* qkvp = bits(qkv);
-    if (w(kQNorm).has_value()) {  // in place, per head: each normed head is read only by RoPE below
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
-          uint16_t* row = qkvp + m * width + hh * d;
-          std::copy(row, row + d, rot.begin());
-          norm_row(rot.data(), bits(*w(hh < heads ? kQNorm : kKNorm)), row, d, eps);
-        }
-    }
-    // queries rotated and widened to fp32 for attention; keys rotated and values into the cache
+    // per row: the q/k norms (Qwen3), in place per head; queries rotated and widened to fp32 for attention; keys
+    // rotated and values into the cache
     uint16_t* kc = bits(const_cast<at::Tensor&>(keys[li]));
     uint16_t* vc = bits(const_cast<at::Tensor&>(values[li]));
     const int64_t cap = keys[li].size(2), kvs = kv_heads * cap * d;
-    for (int64_t m = 0; m < M; ++m) {
+    each_row([&](int64_t m) {
+      uint16_t rot[kMaxHead];
+      if (w(kQNorm).has_value()) {  // each normed head is read only by RoPE below
+        for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
+          uint16_t* row = qkvp + m * width + hh * d;
+          std::copy(row, row + d, rot);
+          norm_row(rot, bits(*w(hh < heads ? kQNorm : kKNorm)), row, d, eps);
+        }
+      }
       const int64_t bi = m / nq, t = m % nq;
       for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
         const uint16_t* in = qkvp + m * width + hh * d;
         if (hh < heads) {
-          rope_row(in, cp + m * d, sp + m * d, rot.data(), d);
+          rope_row(in, cp + m * d, sp + m * d, rot, d);
           float* qrow = qfp + ((bi * heads + hh) * nq + t) * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) qrow[i] = widen(rot[i]);
@@ -623,11 +640,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
         const uint16_t* in = qkvp + m * width + (heads + kv_heads + g) * d;
         std::copy(in, in + d, vc + bi * kvs + (g * cap + pointer + t) * d);
       }
-    }
+    });
     const Strides cache{kvs, cap * d, d};
     attend(qfp, reinterpret_cast<const at::BFloat16*>(kc), reinterpret_cast<const at::BFloat16*>(vc), cache, cache, mp,
            ofp, b, heads, kv_heads, nq, T, d, scale);
-    for (int64_t m = 0; m < M; ++m) {  // to [b, q, heads * d], rounded to bf16 as the Python path's .to() rounds
+    each_row([&](int64_t m) {  // to [b, q, heads * d], rounded to bf16 as the Python path's .to() rounds
       const int64_t bi = m / nq, t = m % nq;
       for (int64_t hh = 0; hh < heads; ++hh) {
         const float* src = ofp + ((bi * heads + hh) * nq + t) * d;
@@ -635,11 +652,19 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) dst[i] = round_bf16(src[i]);
       }
-    }
-    add_rows(xp, bits(product(op, o, w(kO), w(kOS), w(kOB))), M * H);
-    for (int64_t m = 0; m < M; ++m) norm_row(xp + m * H, bits(*w(kLn2)), hp + m * H, H, eps);
+    });
+    const at::Tensor attn_out = product(op, o, w(kO), w(kOS), w(kOB));
+    each_row([&](int64_t m) {
+      add_rows(xp + m * H, bits(attn_out) + m * H, H);
+      norm_row(xp + m * H, bits(*w(kLn2)), hp + m * H, H, eps);
+    });
     const at::Tensor act = silu_mul(product(op, h, w(kGu), w(kGuS), w(kGuB)));  // of [M, 2I]: gate, then up
-    add_rows(xp, bits(product(op, act, w(kDown), w(kDownS), w(kDownB))), M * H);
+    const at::Tensor mlp_out = product(op, act, w(kDown), w(kDownS), w(kDownB));
+    const bool next = li + 1 < L;
+    each_row([&](int64_t m) {  // the residual, and the next layer's first norm
+      add_rows(xp + m * H, bits(mlp_out) + m * H, H);
+      if (next) norm_row(xp + m * H, bits(*weights.get((li + 1) * kPerLayer + kLn1)), hp + m * H, H, eps);
+    });
     if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(x.view({b, nq, H}).clone());
   }
   return {x.view({b, nq, H}), tapped};
