@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--prompt", default=PROMPT, help="user message")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each method, taking turns (after one warm-up)")
     ap.add_argument("--data", default=None, help="regenerated or packed dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
     ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
@@ -79,28 +80,44 @@ def main():
     lazy = fast_mod.FastTargetAdapter.lazy_head
     rows, report = [], {}
     # "dflash full head": the output layer on every row of every verify step, as a step that reads them all
-    for method in ("dflash", "dflash full head", "ar"):
-        kw = dict(max_new_tokens=args.max_new_tokens, return_stats=True, runtime=args.runtime)
-        run = (lambda: ar_generate(target, ids, **kw)) if method == "ar" else \
-            (lambda: spec_generate(target, draft, ids, **kw))
-        fast_mod.FastTargetAdapter.lazy_head = property(lambda self: False) if method == "dflash full head" else lazy
-        run()  # warm-up
-        for k in spent:
-            spent[k] = 0.0
-        calls.clear()
-        t = time.perf_counter()
-        out = run()
-        total = time.perf_counter() - t
-        steps = out.num_steps + 1  # + the prefill
-        per = {k: 1000 * v / steps for k, v in spent.items()}
-        per["other"] = 1000 * total / steps - sum(per.values())
+    methods = ("dflash", "dflash full head", "ar")
+    kw = dict(max_new_tokens=args.max_new_tokens, return_stats=True, runtime=args.runtime)
+    runs = {m: (lambda: ar_generate(target, ids, **kw)) if m == "ar" else (lambda: spec_generate(target, draft, ids, **kw))
+            for m in methods}
+    seen = {m: {"spent": dict.fromkeys(spent, 0.0), "calls": {}, "total": 0.0, "steps": 0, "tokens": 0}
+            for m in methods}
+    # the methods take turns, round by round, so that a shared machine's slow spells fall on all of them alike
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for method in methods:
+            fast_mod.FastTargetAdapter.lazy_head = property(lambda self: False) if method == "dflash full head" else lazy
+            for k in spent:
+                spent[k] = 0.0
+            calls.clear()
+            t = time.perf_counter()
+            out = runs[method]()
+            total = time.perf_counter() - t
+            if round_ == 0:
+                continue
+            acc = seen[method]
+            for k, v in spent.items():
+                acc["spent"][k] += v
+            for n, ts in calls.items():
+                acc["calls"].setdefault(n, []).extend(ts)
+            acc["total"] += total
+            acc["steps"] += out.num_steps + 1  # + the prefill
+            acc["tokens"] += out.num_new_tokens[0]
+            acc["tau"] = out.tau
+    for method in methods:
+        acc = seen[method]
+        per = {k: 1000 * v / acc["steps"] for k, v in acc["spent"].items()}
+        per["other"] = 1000 * acc["total"] / acc["steps"] - sum(per.values())
         # a step's forward alone, the prompt pass left out: the median over the calls of each size
-        forward = {n: 1000 * statistics.median(ts) for n, ts in calls.items() if n != ids.shape[1]}
-        report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": steps,
-                          "tau": round(out.tau, 3), "tokens_per_s": round(out.num_new_tokens[0] / total, 2),
+        forward = {n: 1000 * statistics.median(ts) for n, ts in acc["calls"].items() if n != ids.shape[1]}
+        report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": acc["steps"] // args.rounds,
+                          "tau": round(acc["tau"], 3), "tokens_per_s": round(acc["tokens"] / acc["total"], 2),
                           "forward_ms_by_tokens": {n: round(v, 2) for n, v in sorted(forward.items())}}
         rows.append(f"{method:16s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
-                    f" {out.tau:6.2f} {out.num_new_tokens[0] / total:8.1f}")
+                    f" {acc['tau']:6.2f} {acc['tokens'] / acc['total']:8.1f}")
     fast_mod.FastTargetAdapter.lazy_head = lazy
     print(f"{'method':16s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) +
           f" {'tau':>6s} {'tok/s':>8s}")
@@ -114,7 +131,7 @@ def main():
                 report[key.format(n)] = round(ms / one, 3)
     print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
                       "dtype": str(target.dtype).removeprefix("torch."),
-                      "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, **report}))
+                      "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, **report}))
 
 
 if __name__ == "__main__":
