@@ -1,7 +1,8 @@
 """Where a DFlash step's time goes: draft propose, draft context write, target verify, and the rest
 (bookkeeping), per step, next to a plain decoding step. A greedy verify step runs the target's output layer
 only on the rows it reads (up to the first rejected token); "dflash full head" runs it on every row, the cost
-of a step whose every draft token is accepted. Prints a table and ends with one JSON line.
+of a step whose every draft token is accepted. Then the verify ratio side by side: forwards of one token and of a
+block alternated call by call (see side_by_side). Prints a table and ends with one JSON line.
 
     python benchmarks/profile_step.py --draft runs/prelim/final [--data DATASET --draft-vocab-size 8192]
 """
@@ -26,6 +27,35 @@ PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold h
           "How many clips did Natalia sell altogether in April and May?")
 
 
+def side_by_side(target, draft, ids, answer, runtime, block, pairs):
+    """The target's forward of one token and of a block, alternated call by call (so a shared machine's slow
+    spells fall on both), each followed by the output layer on the one row every step reads (and, for "full
+    head", a block's forward with it on all rows), at the context of the prompt and half the answer; medians."""
+    ctx = torch.cat([ids[0], answer[:len(answer) // 2]])[None]
+    nxt = answer[len(answer) // 2:][None]
+    adapter = fast_mod.make_adapter(target, list(draft.config.target_layer_ids), runtime)
+    adapter.reset(1, ctx.shape[1] + block)
+    times = {"one": [], "verify": [], "verify_full_head": []}
+    with torch.inference_mode():
+        adapter.forward(ctx, torch.arange(ctx.shape[1])[None], capture=True, logits_to_keep=1)
+        pos = torch.arange(ctx.shape[1], ctx.shape[1] + block)[None]
+        for i in range(pairs + 2):  # two warm-ups
+            for kind in (("one", "verify", "verify_full_head") if i % 2 else ("verify_full_head", "verify", "one")):
+                n = 1 if kind == "one" else block
+                t = time.perf_counter()
+                hidden, _ = adapter.forward(nxt[:, :n], pos[:, :n], capture=True, head=False)
+                adapter.head(hidden if kind == "verify_full_head" else hidden[:, :1])
+                took = time.perf_counter() - t
+                adapter.rewind(n)
+                if i >= 2:
+                    times[kind].append(took)
+    ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
+    return {"context": ctx.shape[1], "pairs": pairs, "one_ms": round(ms["one"], 3),
+            "verify_ms": round(ms["verify"], 3), "verify_full_head_ms": round(ms["verify_full_head"], 3),
+            "verify_over_one": round(ms["verify"] / ms["one"], 3),
+            "verify_full_head_over_one": round(ms["verify_full_head"] / ms["one"], 3)}
+
+
 def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="target")
@@ -34,6 +64,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each method, taking turns (after one warm-up)")
+    ap.add_argument("--pairs", type=int, default=100, help="alternated forwards of one token and of a block")
     ap.add_argument("--data", default=None, help="regenerated or packed dataset, for --draft-vocab-size")
     ap.add_argument("--draft-vocab-size", type=int, default=None, help="limit proposals to frequent tokens")
     ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
@@ -71,6 +102,9 @@ def main():
             return out
         return wrapper
 
+    originals = (model_mod.DFlashDraftModel.propose, model_mod.DFlashDraftModel.write_context,
+                 target_mod.TargetAdapter.forward, vars(fast_mod.FastTargetAdapter).get("forward"),
+                 fast_mod.FastTargetAdapter.head)
     model_mod.DFlashDraftModel.propose = timed("propose", model_mod.DFlashDraftModel.propose)
     model_mod.DFlashDraftModel.write_context = timed("context write", model_mod.DFlashDraftModel.write_context)
     target_mod.TargetAdapter.forward = timed("target forward", target_mod.TargetAdapter.forward)
@@ -107,6 +141,8 @@ def main():
             acc["steps"] += out.num_steps + 1  # + the prefill
             acc["tokens"] += out.num_new_tokens[0]
             acc["tau"] = out.tau
+            if method == "ar":  # its new tokens: what side_by_side verifies
+                answer = out.sequences[0, ids.shape[1]:ids.shape[1] + out.num_new_tokens[0]]
     for method in methods:
         acc = seen[method]
         per = {k: 1000 * v / acc["steps"] for k, v in acc["spent"].items()}
@@ -119,6 +155,10 @@ def main():
         rows.append(f"{method:16s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
                     f" {acc['tau']:6.2f} {acc['tokens'] / acc['total']:8.1f}")
     fast_mod.FastTargetAdapter.lazy_head = lazy
+    (model_mod.DFlashDraftModel.propose, model_mod.DFlashDraftModel.write_context, target_mod.TargetAdapter.forward,
+     fast_forward, fast_mod.FastTargetAdapter.head) = originals
+    if fast_forward is not None:
+        fast_mod.FastTargetAdapter.forward = fast_forward
     print(f"{'method':16s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) +
           f" {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
@@ -129,6 +169,11 @@ def main():
                 print(f"{method}: target forward of {n} tokens (median): {ms:.1f} ms = {ms / one:.2f}x one "
                       f"token's ({one:.1f} ms)")
                 report[key.format(n)] = round(ms / one, 3)
+    report["side_by_side"] = side_by_side(target, draft, ids, answer, args.runtime, draft.config.block_size, args.pairs)
+    for key, label in (("verify_over_one", "the output layer on one row"), ("verify_full_head_over_one", "all rows")):
+        print(f"side by side at {report['side_by_side']['context']} cached tokens, {label}: target forward of "
+              f"{draft.config.block_size} tokens {report['side_by_side'][key.replace('over_one', 'ms')]:.2f} ms = "
+              f"{report['side_by_side'][key]:.2f}x one token's ({report['side_by_side']['one_ms']:.2f} ms)")
     print(json.dumps({"model": args.model, "draft": args.draft, "draft_vocab_size": args.draft_vocab_size, "runtime": args.runtime,
                       "dtype": str(target.dtype).removeprefix("torch."),
                       "hardware": hardware(target.device), "threads": torch.get_num_threads(), "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, **report}))
