@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .errors import DFlashConfigError
 from .kernels import Int4Weight, Int8Weight, PackedWeight, cache_attention_kernel, int4_kernel, int8_weight, packable
 from .compiled import compile_frozen
+from .rope import rope_tables
 from .target import TargetAdapter, decoder_layers
 
 FAST_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -65,13 +66,6 @@ def _dense_linear(x: torch.Tensor, parts: tuple[nn.Linear, ...], upcast: bool) -
     ys = [F.linear(xs, m.weight.float() if upcast else m.weight,
                    None if m.bias is None else (m.bias.float() if upcast else m.bias)) for m in parts]
     return (ys[0] if len(ys) == 1 else torch.cat(ys, -1)).to(x.dtype)
-
-
-def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's cos/sin [b, q, d] as [b, 1, q, d], sin with its first half negated. Then x*cos + roll(x, d/2)*sin
-    is HF's x*cos + rotate_half(x)*sin bit for bit (negating is exact) in one op instead of three."""
-    half = sin.shape[-1] // 2
-    return cos[:, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, None]
 
 
 def _fused(modules: tuple[nn.Linear, ...], quantize: str | None):
@@ -291,7 +285,8 @@ class FastForward:
         b, q = input_ids.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = self.embed(input_ids)
-        cos, sin = _rope_tables(*self.rotary(x, position_ids))  # [b, 1, q, d]
+        cos, sin = rope_tables(self.rotary, x, position_ids)
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, q, d]
         # attention reads only the slots in use, not the whole storage; write_slots (a CUDA graph's step, see
         # _graphed_step) write at the slots of that tensor and read the whole storage
         end = valid.shape[1] if write_slots is not None else pointer + q

@@ -14,6 +14,7 @@ from .config import SLIDING_ATTENTION, DFlashConfig, default_target_layer_ids, r
 from .errors import DFlashConfigError
 from .kernels import Int4Weight, Linear, Q8Weight, argmax, cache_attention_kernel, linear, proposal_weight
 from .target import join_rows
+from .rope import rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -508,7 +509,7 @@ class DFlashDraftModel(nn.Module):
         stack = None if compile else self._layer_stack()
         if stack is not None:
             x = target_features.to(self.fc.weight.dtype)
-            cos, sin = self._rope_tables(x, cache.positions[:, slot:slot + n])
+            cos, sin = rope_tables(self.rotary_emb, x, cache.positions[:, slot:slot + n])
             torch.ops.dflash_attn.context_kv(x, cos, sin, slot, list(cache.keys), list(cache.values), stack[3],
                                              self.config.num_key_value_heads, self.config.rms_norm_eps, stack[2])
             return
@@ -535,7 +536,7 @@ class DFlashDraftModel(nn.Module):
         if stack is not None:
             # the block's keys and values go to slots T..T+B of the draft cache, where the context written after
             # this step lands: nothing reads them as context before that
-            cos, sin = self._rope_tables(x, block_pos)
+            cos, sin = rope_tables(self.rotary_emb, x, block_pos)
             c = self.config
             x, _ = torch.ops.dflash_attn.decoder_layers(
                 x, cos, sin, visible.expand(b, B, T + B).contiguous(), T, list(cache.keys), list(cache.values),
@@ -546,13 +547,6 @@ class DFlashDraftModel(nn.Module):
         return self.run_layers(x, block_pos,
                                [(cache.keys[i, :, :, :T], cache.values[i, :, :, :T]) for i in range(len(self.layers))],
                                masks)
-
-    def _rope_tables(self, x, positions):
-        """cos, sin [b, n, head_dim] in x's dtype for the library's RoPE, which takes sin with its first half
-        negated (x*cos + roll(x, d/2)*sin is HF's rotate_half form)."""
-        cos, sin = self.rotary_emb(x, positions)
-        half = sin.shape[-1] // 2
-        return cos, torch.cat([-sin[..., :half], sin[..., half:]], -1)
 
     def _tensors(self, buffers: bool = False) -> list[torch.Tensor]:
         """The draft's parameters (and buffers), found by walking the modules' own tables, for the keys of the
