@@ -490,7 +490,6 @@ enum W { kLn1, kQkv, kQkvS, kQkvB, kQNorm, kKNorm, kO, kOS, kOB, kLn2, kGu, kGuS
 // A step's per-row work is split between the threads from this many rows (elements for SiLU) on: below that,
 // waking them costs more than the work (about 1.2 us a parallel region on 2 threads of an AMD EPYC VM).
 constexpr int64_t kParallelRows = 4, kParallelElements = 4096;
-constexpr int64_t kMaxHead = 512;  // the head sizes decoder_layers takes
 
 using LinearOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>;
 
@@ -573,8 +572,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.numel() == M * d && cos.scalar_type() == at::kBFloat16 &&
                   sin.scalar_type() == at::kBFloat16,
               "decoder_layers: cos and sin must be bf16 [b, q, head_dim]");
-  TORCH_CHECK(d % kLanes == 0 && d <= kMaxHead && heads % kv_heads == 0 && H % kLanes == 0,
-              "decoder_layers: bad head sizes");
+  TORCH_CHECK(d % kLanes == 0 && heads % kv_heads == 0 && H % kLanes == 0, "decoder_layers: bad head sizes");
   TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.size(0) == b &&
                   visible.size(1) == nq && visible.size(2) == T,
               "decoder_layers: visible must be bool [b, q, pointer + q]");
@@ -616,19 +614,20 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     uint16_t* vc = bits(const_cast<at::Tensor&>(values[li]));
     const int64_t cap = keys[li].size(2), kvs = kv_heads * cap * d;
     each_row([&](int64_t m) {
-      uint16_t rot[kMaxHead];
+      thread_local std::vector<uint16_t> rot;  // one head, per thread
+      rot.resize(d);
       if (w(kQNorm).has_value()) {  // each normed head is read only by RoPE below
         for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
           uint16_t* row = qkvp + m * width + hh * d;
-          std::copy(row, row + d, rot);
-          norm_row(rot, bits(*w(hh < heads ? kQNorm : kKNorm)), row, d, eps);
+          std::copy(row, row + d, rot.begin());
+          norm_row(rot.data(), bits(*w(hh < heads ? kQNorm : kKNorm)), row, d, eps);
         }
       }
       const int64_t bi = m / nq, t = m % nq;
       for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {
         const uint16_t* in = qkvp + m * width + hh * d;
         if (hh < heads) {
-          rope_row(in, cp + m * d, sp + m * d, rot, d);
+          rope_row(in, cp + m * d, sp + m * d, rot.data(), d);
           float* qrow = qfp + ((bi * heads + hh) * nq + t) * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) qrow[i] = widen(rot[i]);
