@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--runtime", default="auto", choices=fast_mod.RUNTIMES, help="target forward")
     ap.add_argument("--dtype", default=None, help="target dtype; None = dflash's default for this machine")
     args = ap.parse_args()
+    if args.rounds < 1 or args.pairs < 1:
+        ap.error("--rounds and --pairs must be at least 1")
     target, tok = load_target(args.model, dtype=args.dtype, threads=args.threads)
     draft = load_draft(args.draft, target)
     if args.draft_vocab_size:
