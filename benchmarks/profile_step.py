@@ -32,7 +32,7 @@ def side_by_side(target, draft, ids, answer, runtime, block, pairs):
     spells fall on both), each followed by the output layer on the one row every step reads (and, for "full
     head", a block's forward with it on all rows), at the context of the prompt and half the answer; medians."""
     ctx = torch.cat([ids[0], answer[:len(answer) // 2]])[None]
-    nxt = answer[len(answer) // 2:][None]
+    nxt = torch.cat([answer[len(answer) // 2:], ids[0].repeat(block)])[:block][None]  # a short answer: any ids
     adapter = fast_mod.make_adapter(target, list(draft.config.target_layer_ids), runtime)
     adapter.reset(1, ctx.shape[1] + block)
     times = {"one": [], "verify": [], "verify_full_head": []}

@@ -3,7 +3,7 @@ that x * cos + roll(x, d/2) * sin is HF's x * cos + rotate_half(x) * sin bit for
 instead of three.
 
 In an eager CPU step they come from a table: the rotary module (HF's LlamaRotaryEmbedding and kin) computes them
-for a step's few positions in some ten small ops, and the negation takes three more: ~70 us a call on
+for a step's few positions in some ten small ops, and the negation takes three more: 50-60 us a call on
 SmolLM2-135M (AMD EPYC, AVX2), three calls a DFlash step (the target's forward, the draft's propose and its
 context write). The table is what the module itself gives for positions 0..n-1, so the values are its own bits
 (each position's angle is one product, inv_freq x pos, whatever the other positions; cos and sin are
