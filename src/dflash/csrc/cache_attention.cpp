@@ -603,9 +603,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
       for (int64_t m = begin; m < end; ++m) f(m);
     });
   };
-  each_row([&](int64_t m) { norm_row(xp + m * H, bits(*weights.get(kLn1)), hp + m * H, H, eps); });
+  const auto weight = [&](int64_t layer, W k) { return weights.get(layer * kPerLayer + k); };
+  each_row([&](int64_t m) { norm_row(xp + m * H, bits(*weight(0, kLn1)), hp + m * H, H, eps); });
   for (int64_t li = 0; li < L; ++li) {
-    const auto w = [&](W k) { return weights.get(li * kPerLayer + k); };
+    const auto w = [&](W k) { return weight(li, k); };
     at::Tensor qkv = product(op, h, w(kQkv), w(kQkvS), w(kQkvB));  // [M, (heads + 2 kv_heads) d]
     uint16_t* qkvp = bits(qkv);
     // per row: the q/k norms (Qwen3), in place per head; queries rotated and widened to fp32 for attention; keys
@@ -662,7 +663,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_layers(
     const bool next = li + 1 < L;
     each_row([&](int64_t m) {  // the residual, and the next layer's first norm
       add_rows(xp + m * H, bits(mlp_out) + m * H, H);
-      if (next) norm_row(xp + m * H, bits(*weights.get((li + 1) * kPerLayer + kLn1)), hp + m * H, H, eps);
+      if (next) norm_row(xp + m * H, bits(*weight(li + 1, kLn1)), hp + m * H, H, eps);
     });
     if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(x.view({b, nq, H}).clone());
   }
