@@ -66,7 +66,23 @@ def test_topk_hit_rates_grow_with_k_and_reach_one_at_the_whole_vocabulary():
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
     g = torch.Generator().manual_seed(3)
     texts = [(torch.randint(3, 96, (n,), generator=g).tolist(), p) for n, p in ((20, 6), (15, 9))]
-    rates = topk_hits(target, draft, texts, [1, 3, 96], 4)
+    repeated = torch.randint(3, 96, (8,), generator=g).tolist()
+    texts.append((repeated + repeated + [4, 5], 4))  # its second half is copyable
+    rates, split = topk_hits(target, draft, texts, [1, 3, 96], 4)
     assert list(rates) == ["1", "3", "96"] and all(len(r) == 3 for r in rates.values())
     assert all(a <= b <= c for a, b, c in zip(rates["1"], rates["3"], rates["96"]))
     assert rates["96"] == [1.0, 1.0, 1.0] and draft.config.block_size == 4
+    # the copy/novel split partitions slot 1's tokens: its two rates average, by their shares, to the top-1 rate
+    share = split["copy_share"]
+    assert 0.0 < share < 1.0
+    assert share * split["copy"][0] + (1 - share) * split["novel"][0] == pytest.approx(rates["1"][0])
+
+
+def test_copyable_tokens_are_those_prompt_lookup_guesses_from_the_text_before():
+    from dflash.evaluate import copyable
+
+    ids = [5, 6, 7, 8, 5, 6, 7, 9, 4, 6, 7, 9]
+    # from position 3 on: the 7 at 6 follows "5 6" as before; the 9 at 7 follows "5 6 7", which went on with 8;
+    # the 7 at 10 follows "4 6", never seen (one token alone is not looked up); the 9 at 11 follows "6 7", whose
+    # latest occurrence went on with 9
+    assert copyable(ids, 3) == [False, False, False, True, False, False, False, False, True]

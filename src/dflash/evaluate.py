@@ -93,7 +93,7 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
         results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "slot_acceptance": slot_acceptance(lengths, B),
                          "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts)}
         if cfg.topk:
-            results[name]["topk_hits"] = topk_hits(target, draft, texts, cfg.topk, B)
+            results[name]["topk_hits"], results[name]["copy_split"] = topk_hits(target, draft, texts, cfg.topk, B)
     bar.close()
     if was_training:
         draft.train()
@@ -101,21 +101,38 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
             "mean_tau": sum(r["tau"] for r in results.values()) / max(1, len(results))}
 
 
+def copyable(ids: list[int], start: int) -> list[bool]:
+    """For positions start..len(ids)-1: whether prompt lookup guesses the token from the text before it (the
+    latest earlier occurrence of the last 3, else 2 tokens, as NgramDraft looks it up, is followed by it):
+    the tokens a draft could take by copying from its context."""
+    from .ngram import NgramDraft
+
+    lookup = NgramDraft(num_tokens=1, max_ngram=3, min_ngram=2)
+    return [lookup.propose(ids[:i], 1) == [ids[i]] for i in range(start, len(ids))]
+
+
 @torch.no_grad()
-def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int], block_size: int) -> dict:
+def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int],
+              block_size: int) -> tuple[dict, dict]:
     """Per k and block slot: how often the target's own next token is among the draft's k most probable ones,
     with every answer position as anchor and the target's text as context (teacher-forced, so a slot is counted
     whatever the slots before it proposed). k = 1 is the chain's per-slot accuracy; the gain at k > 1 is what
-    candidate trees (dflash.tree) can take."""
+    candidate trees (dflash.tree) can take.
+    Returns ({k: rates}, split); split holds, under "copy" and "novel", the top-1 rate per slot over the tokens
+    that prompt lookup guesses right from the text before them (`copyable`) and over the others, and under
+    "copy_share" the copyable part of the slot-1 tokens: a draft that reads its context takes the copyable ones
+    far more often than the others; one that guesses from the last few tokens alone takes both alike."""
     from .model import block_inputs
     from .target import target_features
 
     draft.config.block_size, saved = block_size, draft.config.block_size
     hits = torch.zeros(len(ks), block_size - 1)
     counted = torch.zeros(block_size - 1)
+    kind_hits, kind_counted = torch.zeros(2, block_size - 1), torch.zeros(2, block_size - 1)  # novel, copy
     weight, bias, rows = draft._proposal_head()
     try:
         for ids, n_prompt in texts:
+            copy = torch.tensor([False] * (n_prompt + 1) + copyable(ids, n_prompt + 1))
             ids = torch.tensor(ids)
             anchors = torch.arange(n_prompt, len(ids) - 1)
             if len(anchors) == 0:
@@ -131,9 +148,19 @@ def topk_hits(target, draft, texts: list[tuple[list[int], int]], ks: list[int], 
             counted += ok.sum(0)
             for i, k in enumerate(ks):
                 hits[i] += ((top[..., :k] == labels[..., None]).any(-1) & ok).sum(0)
+            # the label of slot k of anchor a sits at a + k
+            label_copy = copy[(anchors[:, None] + torch.arange(1, block_size)).clamp(max=len(ids) - 1)] & ok
+            right = (top[..., 0] == labels) & ok
+            for kind, where in enumerate((ok & ~label_copy, label_copy)):
+                kind_hits[kind] += (right & where).sum(0)
+                kind_counted[kind] += where.sum(0)
     finally:
         draft.config.block_size = saved
-    return {str(k): (hits[i] / counted.clamp(min=1)).tolist() for i, k in enumerate(ks)}
+    rates = {str(k): (hits[i] / counted.clamp(min=1)).tolist() for i, k in enumerate(ks)}
+    split = {"copy_share": float(kind_counted[1, 0] / counted[0].clamp(min=1)),
+             "copy": (kind_hits[1] / kind_counted[1].clamp(min=1)).tolist(),
+             "novel": (kind_hits[0] / kind_counted[0].clamp(min=1)).tolist()}
+    return rates, split
 
 
 def plot_slot_acceptance(results: dict, png: Path, title: str = "") -> None:
@@ -167,6 +194,13 @@ def format_table(results: dict) -> str:
         rows += ["", "| dataset | top-k | " + " | ".join(f"slot {k}" for k in range(1, B)) + " |",
                  "|" + "---|" * (B + 1)]
         rows += [f"| {name} | {k} | " + " | ".join(f"{a:.2f}" for a in rates) + " |" for name, k, rates in tops]
+    splits = [(name, r["copy_split"]) for name, r in results["datasets"].items() if "copy_split" in r]
+    if splits:  # teacher-forced top-1 over the tokens prompt lookup guesses from the text before them, and the rest
+        rows += ["", "| dataset | tokens | share | " + " | ".join(f"slot {k}" for k in range(1, B)) + " |",
+                 "|" + "---|" * (B + 2)]
+        rows += [f"| {name} | {kind} | {share:.2f} | " + " | ".join(f"{a:.2f}" for a in split[kind]) + " |"
+                 for name, split in splits
+                 for kind, share in (("copy", split["copy_share"]), ("novel", 1 - split["copy_share"]))]
     return "\n".join(rows)
 
 
