@@ -50,8 +50,8 @@ def test_bench_writes_table_json_and_plots(setup, tmp_path, capsys):
 
 def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     target, tok, draft, prompts = setup
-    methods = ["ar", "dflash", "eagle3", "eagle3-adaptive", "ngram", "hf", "hf-prompt-lookup", "hf-assisted",
-               "hf-early-exit"]
+    methods = ["ar", "dflash", "dflash-lookup-adaptive", "eagle3", "eagle3-adaptive", "ngram", "hf",
+               "hf-prompt-lookup", "hf-assisted", "hf-early-exit"]
     cfg = BenchConfig(prompts=str(prompts), num_prompts=3, max_new_tokens=16, out=str(tmp_path / "m"),
                       methods=methods, ngram_tokens=4)
     eagle = Eagle3DraftModel.from_target(target, block_size=4)
@@ -60,11 +60,12 @@ def test_every_method_reproduces_ar_greedily(setup, tmp_path, capsys):
     r = report["datasets"]["p"]["methods"]
     assert list(r) == methods[1:] and report["total_mismatches"] == 0
     assert r["ngram"]["tau"] >= 1 and r["eagle3"]["tau"] >= 1 and r["eagle3-adaptive"]["tau"] >= 1
+    assert r["dflash-lookup-adaptive"]["tau"] >= 1
     assert r["hf"]["tau"] is None
     assert all(f"p            {m}" in table for m in methods[1:])
     # DFlash against each peer: the median of per-prompt ratios, in the table and the JSON line
     duel = report["datasets"]["p"]["head_to_head"]
-    assert list(duel) == ["dflash"] and list(duel["dflash"]) == methods[2:]
+    assert list(duel) == ["dflash", "dflash-lookup-adaptive"] and list(duel["dflash"]) == methods[3:]
     ours, theirs = r["dflash"]["tokens_per_s_per_prompt"], r["eagle3"]["tokens_per_s_per_prompt"]
     assert len(ours) == 3 and duel["dflash"]["eagle3"] == statistics.median(x / y for x, y in zip(ours, theirs))
     assert "DFlash against the other methods" in table and f"{duel['dflash']['ngram']:15.2f}x" in table

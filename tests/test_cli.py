@@ -52,6 +52,9 @@ def test_generate_streams_text_and_prints_stats(tiny_gguf, setup):
     tree = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--tree-budget", "auto", env_home=home)
     assert tree.returncode == 0 and tree.stdout == spec.stdout
     assert re.search(r"steps per check plain \d+", tree.stderr), tree.stderr
+    lookup = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--fixed-width", "--prompt-lookup",
+                 env_home=home)
+    assert lookup.returncode == 0 and lookup.stdout == spec.stdout
 
 
 def test_sampling_options_and_seed(tiny_gguf, setup):

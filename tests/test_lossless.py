@@ -216,3 +216,23 @@ def test_ngram_lookup():
     assert d.match([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2]) == (2, [3, 7, 1])
     assert NgramDraft(num_tokens=2, max_ngram=6).match([5, 1, 2, 3, 8, 0, 2, 3, 9, 1, 2, 3]) == (3, [8, 0])
     assert d.match([4, 8, 1, 4]) == (1, [8, 1, 4]) and d.match([5, 6, 7]) == (0, [])
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 3), ("qwen3", 1)])
+def test_prompt_lookup_ahead_of_the_draft_matches_target_greedy(arch, seed):
+    target = tiny_target(arch, seed=seed)  # seeds whose greedy answers to this prompt repeat themselves
+    repeats = [9, 10, 11, 9, 10, 11, 9, 10]
+    ids = torch.tensor([[1, 2] + repeats, [0, 0] + repeats])  # the second row left-padded
+    mask = torch.tensor([[1] * 10, [0, 0] + [1] * 8])
+    refs = references(target, ids, mask, MAX_NEW)
+    for B in (4, 8):
+        draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
+        taus = {}
+        for lookup in (False, True):
+            for adaptive in (False, True):
+                out = spec_generate(target, draft, ids, mask, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                                    return_stats=True, adaptive_width=adaptive, prompt_lookup=lookup)
+                assert new_tokens(out, ids, out.num_new_tokens) == refs, (arch, B, lookup, adaptive)
+                taus[lookup, adaptive] = out.tau
+        # a random draft is almost never right; the text's own continuation is, where the answer repeats
+        assert taus[True, False] > taus[False, False] + 0.1, (arch, B, taus)

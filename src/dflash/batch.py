@@ -156,7 +156,8 @@ class SpecBatch:
 
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor,
              choose: Callable[[torch.Tensor], torch.Tensor] | None, histories: list[list[int]] | None = None,
-             width: int | None = None, tree: "TreeSpec | None" = None, proposals: list[list[int]] | None = None):
+             width: int | None = None, tree: "TreeSpec | None" = None, proposals: list[list[int]] | None = None,
+             prefix: list[list[int]] | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
         forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q]; None: the
         target's argmax (greedy), where the target's output layer then runs only on the rows that are read
@@ -172,6 +173,9 @@ class SpecBatch:
         the same contract, choice[:, :accepted+1] being the accepted path's tokens and the target's one after.
         proposals: verify these tokens per row (an n-gram continuation, at most width - 1 each) instead of the
         draft's, without running the draft: its cache gets the target's features later, as after a plain step.
+        prefix: tokens per row (prompt lookup's continuation of the text) that take the place of the DFlash
+        draft's first proposals, its own filling the slots after them: the draft's slots do not see each other's
+        guesses, so its later ones are as good after a prefix as after its own.
         """
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
@@ -208,6 +212,9 @@ class SpecBatch:
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
                                           self.adapter.valid[:, :self.pointer], **self.draft_kw)
+            if prefix is not None and any(prefix):
+                over = torch.tensor([(p + [-1] * (width - 1))[:width - 1] for p in prefix], device=proposal.device)
+                proposal = torch.where(over >= 0, over, proposal)
             verify_ids = torch.cat([anchor, proposal], 1)
         else:
             verify_ids = anchor

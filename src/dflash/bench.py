@@ -126,7 +126,8 @@ def _tie_check(target, prefix: list[int], ar_token, spec_token, runtime: str = "
     return gap, abs(gap) <= 4 * eps * float(logits.abs().max())
 
 
-DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-tree", "dflash-tree-adaptive")  # need a DFlash draft
+DFLASH_METHODS = ("dflash", "dflash-adaptive", "dflash-lookup", "dflash-lookup-adaptive", "dflash-tree",
+                  "dflash-tree-adaptive")  # need a DFlash draft
 EAGLE_METHODS = ("eagle3", "eagle3-adaptive")  # ... an EAGLE-3-style drafter
 METHODS = ("ar", *DFLASH_METHODS, *EAGLE_METHODS, "ngram", "hf", "hf-prompt-lookup", "hf-assisted", "hf-early-exit")
 
@@ -165,7 +166,7 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
     stops = default_stop_token_ids(target)
     kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, runtime=cfg.runtime)
 
-    def ours(gen_draft, block_size=None, adaptive=False, tree=None):
+    def ours(gen_draft, block_size=None, adaptive=False, tree=None, lookup=False):
         def fn(ids, mask, seed):
             g = torch.Generator(device=device).manual_seed(seed)
             if gen_draft is None:
@@ -173,7 +174,7 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
             else:
                 o = spec_generate(target, gen_draft, ids, mask, block_size=block_size, generator=g,
                                   return_stats=True, adaptive_width=adaptive, tree_budget=tree,
-                                  tree_topk=cfg.tree_topk, **kw)
+                                  tree_topk=cfg.tree_topk, prompt_lookup=lookup, **kw)
             P = ids.shape[1]
             return Run([o.sequences[i, P:P + n].tolist() for i, n in enumerate(o.num_new_tokens)], o.total_time,
                        o.time_to_first_token, o.acceptance_lengths if gen_draft is not None else None, o.block_size)
@@ -200,6 +201,9 @@ def _runners(cfg: BenchConfig, target, draft, assistant, eagle) -> dict:
 
     table = {"ar": lambda: ours(None), "dflash": lambda: ours(draft, cfg.block_size),
              "dflash-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True),
+             # the text's own continuation (prompt lookup) in the block's first slots where it has one
+             "dflash-lookup": lambda: ours(draft, cfg.block_size, lookup=True),
+             "dflash-lookup-adaptive": lambda: ours(draft, cfg.block_size, adaptive=True, lookup=True),
              # candidate trees: the draft's top paths and the n-gram continuation, a fixed or a priced budget
              "dflash-tree": lambda: ours(draft, cfg.block_size, tree=cfg.tree_budget),
              "dflash-tree-adaptive": lambda: ours(draft, cfg.block_size, tree="auto"), "eagle3": lambda: ours(eagle),

@@ -73,6 +73,9 @@ def _model_options() -> argparse.ArgumentParser:
                    "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain "
                    "step, the n-gram continuation alone, or a tree")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="where the text's last 3 (else 2) tokens occurred before, verify what followed them there "
+                   "ahead of the draft's own proposals (a block of one chain; the output stays exact)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -147,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--seed", type=int, default=0, help="seed for sampling")
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
-                    "width), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
+                    "width), dflash-lookup and dflash-lookup-adaptive (the same with prompt lookup's continuation "
+                    "ahead of the draft's proposals), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
                     "dflash-tree-adaptive (step by step what pays: a plain step, the n-gram continuation alone or a "
                     "tree; both greedy only), "
                     "eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
@@ -406,7 +410,7 @@ class Session:
                                  max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                                  top_p=a.top_p, stop_token_ids=self.stop_ids, generator=self.generator,
                                  runtime=a.runtime, adaptive_width=not a.fixed_width, tree_budget=a.tree_budget,
-                                 tree_topk=a.tree_topk)
+                                 tree_topk=a.tree_topk, prompt_lookup=a.prompt_lookup)
         text = TextStream(self.tokenizer)
         while True:
             try:

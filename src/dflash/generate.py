@@ -151,7 +151,7 @@ class _Generation:
 
     def __init__(self, target, draft: DFlashDraftModel | None, input_ids, attention_mask, *, block_size,
                  max_new_tokens, sampling: SamplingParams, stop_token_ids, generator, runtime="auto",
-                 adaptive_width: bool = False, tree: TreeOptions | None = None):
+                 adaptive_width: bool = False, tree: TreeOptions | None = None, prompt_lookup: bool = False):
         self.target, self.draft = target, draft
         self.input_ids, self.mask = _check_inputs(target, input_ids, attention_mask, max_new_tokens)
         self.device = self.input_ids.device
@@ -182,6 +182,13 @@ class _Generation:
             if self.tree.budget is None:
                 self.budgets = TreeBudgetController(self.B, ngram_sizes=None if self.tree.ngram else [])
         self.tree_stats: list[tuple[int, int, int]] = []  # per (row, step): accepted, rank of its path, source
+        # prompt lookup ahead of a DFlash chain's own proposals: where the text's last 3 (else 2) tokens occurred
+        # before, what followed them there fills the block's first slots (a draft layer that cannot look
+        # anything up in its context misses exactly those tokens; see dflash.evaluate.copyable)
+        self.prompt_lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=3, min_ngram=2) if (
+            prompt_lookup and self.tree is None and isinstance(draft, DFlashDraftModel) and
+            not isinstance(draft, Eagle3DraftModel)) else None
+        self.history: list[list[int]] | None = None  # each row's text so far, on the host, where lookups need it
         self.ttft = 0.0
         self.total = 0.0
 
@@ -227,7 +234,7 @@ class _Generation:
         _sync(self.device)
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
-        if batch.ngram is not None or (self.tree is not None and self.tree.ngram):
+        if batch.ngram is not None or (self.tree is not None and self.tree.ngram) or self.prompt_lookup is not None:
             self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
             self.history = [p + [t] for p, t in zip(self.prompts, first.tolist())]  # the text so far, on the host
         # matches up to the longest length the budget controller tells apart (a longer match proposes better)
@@ -253,7 +260,9 @@ class _Generation:
                 histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
             t_step = time.perf_counter()
             width = self.widths.choose(len(live_rows)) if self.widths is not None else None
-            spec, option, found, proposals = None, None, None, None
+            spec, option, found, proposals, prefix = None, None, None, None, None
+            if self.prompt_lookup is not None and (width or self.B) > 1:
+                prefix = [self.prompt_lookup.propose(self.history[r], (width or self.B) - 1) for r in live_rows]
             if self.tree is not None:
                 found = None if lookup is None else [lookup.match(self.history[r]) for r in live_rows]
                 option = (self.budgets.choose(len(live_rows), None if found is None else [n for n, _ in found])
@@ -262,7 +271,7 @@ class _Generation:
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           None if self.sampling.greedy else
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
-                                          histories, width, spec, proposals)
+                                          histories, width, spec, proposals, prefix)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -285,7 +294,7 @@ class _Generation:
             step = [[] for _ in range(b)]
             for i, (r, n) in enumerate(zip(live_rows, n_rows)):
                 step[r] = tokens[i * q:i * q + n]
-                if lookup is not None:
+                if lookup is not None or self.prompt_lookup is not None:
                     self.history[r] += step[r]
             if spec is not None:
                 self._tree_stats(batch.last_tree, live_rows, host[3 * L:4 * L])
@@ -338,7 +347,7 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
                     top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                     generator: torch.Generator | None = None, runtime: str = "auto",
                     adaptive_width: bool = False, tree_budget: int | str | None = None, tree_topk: int = 4,
-                    tree_ngram: bool = True) -> Iterator[list[list[int]]]:
+                    tree_ngram: bool = True, prompt_lookup: bool = False) -> Iterator[list[list[int]]]:
     """Streaming form of `spec_generate` (draft=None: plain decoding). Yields, after every step, the list of
     token ids each row committed in that step. The generator's return value is the GenerationOutput.
     runtime: 'auto' | 'fast' | 'hf', the target's forward (see dflash.fast). adaptive_width: verify each
@@ -346,7 +355,9 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     the whole block. tree_budget: verify candidate trees of that many draft nodes (the most probable paths
     through the draft's `tree_topk` best tokens per slot, and with `tree_ngram` the text's n-gram
     continuation) instead of the argmax chain (greedy only; see dflash.tree); 'auto': step by step what pays
-    (dflash.adaptive.TreeBudgetController): a plain step, the n-gram continuation alone, or a tree."""
+    (dflash.adaptive.TreeBudgetController): a plain step, the n-gram continuation alone, or a tree.
+    prompt_lookup: where the text's last 3 (else 2) tokens occurred before, the tokens that followed them there
+    take the place of a DFlash draft's first proposals in the chain (the rest stay the draft's)."""
     B = 1
     if draft is not None:
         B = _resolve_block_size(draft, block_size, num_speculative_tokens)
@@ -361,7 +372,7 @@ def stream_generate(target, draft: DFlashDraftModel | None, input_ids, attention
     g = _Generation(target, draft, input_ids, attention_mask, block_size=B, max_new_tokens=max_new_tokens,
                     sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                     stop_token_ids=stop_token_ids, generator=generator, runtime=runtime,
-                    adaptive_width=adaptive_width, tree=tree)
+                    adaptive_width=adaptive_width, tree=tree, prompt_lookup=prompt_lookup)
     yield from g.steps()
     return g.result()
 
@@ -380,13 +391,15 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
                   num_speculative_tokens=None, max_new_tokens: int = 256, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
                   return_stats: bool = False, runtime: str = "auto", adaptive_width: bool = False,
-                  tree_budget: int | str | None = None, tree_topk: int = 4, tree_ngram: bool = True):
+                  tree_budget: int | str | None = None, tree_topk: int = 4, tree_ngram: bool = True,
+                  prompt_lookup: bool = False):
     """DFlash speculative generation.
 
     `num_speculative_tokens` is the block size B (anchor + B-1 drafted tokens), as in the published example;
     vLLM's setting of the same name counts B-1. Returns the sequences like HF `generate` (prompt as given,
     then new tokens, rows that stopped early padded on the right), or a GenerationOutput with stats.
-    tree_budget / tree_topk / tree_ngram: candidate-tree verification (see stream_generate).
+    tree_budget / tree_topk / tree_ngram: candidate-tree verification; prompt_lookup: the text's own
+    continuation ahead of the draft's proposals (see stream_generate).
     """
     if draft is None:
         raise DFlashInputError("spec_generate needs a draft; use ar_generate for plain decoding")
@@ -394,7 +407,8 @@ def spec_generate(target, draft: DFlashDraftModel, input_ids, attention_mask=Non
                                num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
                                generator=generator, runtime=runtime, adaptive_width=adaptive_width,
-                               tree_budget=tree_budget, tree_topk=tree_topk, tree_ngram=tree_ngram))
+                               tree_budget=tree_budget, tree_topk=tree_topk, tree_ngram=tree_ngram,
+                               prompt_lookup=prompt_lookup))
     return out if return_stats else out.sequences
 
 
