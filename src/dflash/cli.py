@@ -75,7 +75,7 @@ def _model_options() -> argparse.ArgumentParser:
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
     p.add_argument("--prompt-lookup", action="store_true",
                    help="where the text's last 3 (else 2) tokens occurred before, verify what followed them there "
-                   "ahead of the draft's own proposals (a block of one chain; the output stays exact)")
+                   "ahead of the draft's own proposals in the block (the output stays the same)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--methods", default="ar,dflash",
                     help="comma-separated, starting with ar: ar, dflash (whole blocks), dflash-adaptive (adaptive "
                     "width), dflash-lookup and dflash-lookup-adaptive (the same with prompt lookup's continuation "
-                    "ahead of the draft's proposals), dflash-tree (candidate trees of --tree-budget draft nodes and the n-gram continuation), "
+                    "ahead of the draft's proposals), dflash-tree (candidate trees of --tree-budget draft nodes and "
+                    "the n-gram continuation), "
                     "dflash-tree-adaptive (step by step what pays: a plain step, the n-gram continuation alone or a "
                     "tree; both greedy only), "
                     "eagle3 (the EAGLE-3-style chain drafter), eagle3-adaptive (its chain length adaptive), "
