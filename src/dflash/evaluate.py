@@ -103,11 +103,11 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
 
 def copyable(ids: list[int], start: int) -> list[bool]:
     """For positions start..len(ids)-1: whether prompt lookup guesses the token from the text before it (the
-    latest earlier occurrence of the last 3, else 2 tokens, as NgramDraft looks it up, is followed by it):
-    the tokens a draft could take by copying from its context."""
+    latest earlier occurrence of the last 3, else 2 tokens is followed by it: NgramDraft.repeats): the tokens a
+    draft could take by copying from its context."""
     from .ngram import NgramDraft
 
-    lookup = NgramDraft(num_tokens=1, max_ngram=3, min_ngram=2)
+    lookup = NgramDraft.repeats(1)
     return [lookup.propose(ids[:i], 1) == [ids[i]] for i in range(start, len(ids))]
 
 

@@ -185,7 +185,7 @@ class _Generation:
         # prompt lookup ahead of a DFlash chain's own proposals: where the text's last 3 (else 2) tokens occurred
         # before, what followed them there fills the block's first slots (a draft layer that cannot look
         # anything up in its context misses exactly those tokens; see dflash.evaluate.copyable)
-        self.prompt_lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=3, min_ngram=2) if (
+        self.prompt_lookup = NgramDraft.repeats(self.B - 1) if (
             prompt_lookup and self.tree is None and isinstance(draft, DFlashDraftModel) and
             not isinstance(draft, Eagle3DraftModel)) else None
         self.history: list[list[int]] | None = None  # each row's text so far, on the host, where lookups need it
@@ -235,8 +235,8 @@ class _Generation:
         self.ttft = time.perf_counter() - t0
         yield [[t] for t in first.tolist()]
         if batch.ngram is not None or (self.tree is not None and self.tree.ngram) or self.prompt_lookup is not None:
-            self.prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
-            self.history = [p + [t] for p, t in zip(self.prompts, first.tolist())]  # the text so far, on the host
+            prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
+            self.history = [p + [t] for p, t in zip(prompts, first.tolist())]
         # matches up to the longest length the budget controller tells apart (a longer match proposes better)
         lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=TreeBudgetController.MATCH_BUCKETS[-1]) \
             if self.tree is not None and self.tree.ngram else None
@@ -255,14 +255,14 @@ class _Generation:
                 batch.select_rows(keep)
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
-            histories = None
-            if batch.ngram is not None:  # n-gram lookups run on the host
-                histories = [self.prompts[r] + self.out[r, :n].tolist() for r, n in zip(live_rows, n_gen.tolist())]
+            # n-gram lookups run on the host
+            histories = [self.history[r] for r in live_rows] if batch.ngram is not None else None
             t_step = time.perf_counter()
             width = self.widths.choose(len(live_rows)) if self.widths is not None else None
             spec, option, found, proposals, prefix = None, None, None, None, None
-            if self.prompt_lookup is not None and (width or self.B) > 1:
-                prefix = [self.prompt_lookup.propose(self.history[r], (width or self.B) - 1) for r in live_rows]
+            drafts = (width or self.B) - 1
+            if self.prompt_lookup is not None and drafts > 0:
+                prefix = [self.prompt_lookup.propose(self.history[r], drafts) for r in live_rows]
             if self.tree is not None:
                 found = None if lookup is None else [lookup.match(self.history[r]) for r in live_rows]
                 option = (self.budgets.choose(len(live_rows), None if found is None else [n for n, _ in found])
@@ -294,7 +294,7 @@ class _Generation:
             step = [[] for _ in range(b)]
             for i, (r, n) in enumerate(zip(live_rows, n_rows)):
                 step[r] = tokens[i * q:i * q + n]
-                if lookup is not None or self.prompt_lookup is not None:
+                if self.history is not None:
                     self.history[r] += step[r]
             if spec is not None:
                 self._tree_stats(batch.last_tree, live_rows, host[3 * L:4 * L])

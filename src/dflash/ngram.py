@@ -21,6 +21,13 @@ class NgramDraft:
         if self.num_tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError("NgramDraft needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
 
+    @classmethod
+    def repeats(cls, num_tokens: int) -> "NgramDraft":
+        """The lookup of text that repeats: the last 3, else 2 tokens (one token alone matches too loosely). What
+        prompt lookup ahead of a DFlash draft proposes (generate's prompt_lookup) and what dflash.evaluate counts
+        as copyable."""
+        return cls(num_tokens=num_tokens, max_ngram=3, min_ngram=2)
+
     @property
     def block_size(self) -> int:
         return self.num_tokens + 1
