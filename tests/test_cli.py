@@ -66,6 +66,20 @@ def test_sampling_options_and_seed(tiny_gguf, setup):
     assert a.stdout == b.stdout
 
 
+def test_serve_options_reach_the_engine(tiny_gguf, setup):
+    from dflash.cli import _engine
+
+    _, draft = setup
+    base = ["serve", "--model", str(tiny_gguf), "--dtype", "float32", "--draft", str(draft), "--threads", "1"]
+    plain = _engine(build_parser().parse_args(base))
+    lookup = _engine(build_parser().parse_args(base + ["--prompt-lookup", "--fixed-width", "--max-batch-size", "3"]))
+    assert plain.runner.prompt_lookup is None and plain.runner.widths is not None
+    assert lookup.runner.prompt_lookup is not None and lookup.runner.widths is None
+    assert lookup.config.max_batch_size == 3 and lookup.block_size == 4
+    assert [s.output_ids for s in lookup.generate([[5, 6, 7]], max_tokens=8)] == \
+        [s.output_ids for s in plain.generate([[5, 6, 7]], max_tokens=8)]
+
+
 def test_streaming_writes_piece_by_piece(tiny_gguf, setup):
     _, draft = setup
     args = build_parser().parse_args(["generate", "x", "--model", str(tiny_gguf), "--dtype", "float32",

@@ -261,3 +261,25 @@ def test_trees_in_the_engine_match_target_greedy_and_yield_to_sampling_rows(budg
     if budget == 10:
         taus = [sum(s.acceptance_lengths) / len(s.acceptance_lengths) for s in seqs if s.acceptance_lengths]
         assert max(taus) > 2
+
+
+@pytest.mark.parametrize("arch,seed", [("llama", 3), ("qwen3", 3)])
+def test_prompt_lookup_in_the_engine_matches_target_greedy(arch, seed):
+    target = tiny_target(arch, seed=seed)  # seeds whose greedy answers to the first prompt repeat themselves
+    ps = [[1, 2, 9, 10, 11, 9, 10, 11, 9, 10]] + prompts([17, 3, 26], seed=1)
+    max_tokens = [30, 12, 20, 9]
+    refs = [expected(target, p, n) for p, n in zip(ps, max_tokens)]
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    taus = {}
+    for lookup in (False, True):
+        engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=3, prefill_tokens=8, adaptive_width=False,
+                                                             prompt_lookup=lookup))
+        seqs = [engine.add_request(p, max_tokens=n) for p, n in zip(ps[:2], max_tokens[:2])]
+        engine.step()  # the others join mid-decode, one of them in a finished row's place
+        seqs += [engine.add_request(p, max_tokens=n) for p, n in zip(ps[2:], max_tokens[2:])]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == refs, (arch, lookup)
+        taus[lookup] = sum(seqs[0].acceptance_lengths) / len(seqs[0].acceptance_lengths)
+    # a random draft is almost never right; the text's own continuation is, where the answer repeats
+    assert taus[True] > taus[False] + 0.05, taus

@@ -43,6 +43,21 @@ def test_tau_is_one_plus_the_sum_of_products_of_slot_rates():
     assert res["datasets"]["b"]["tau"] == pytest.approx(sum(lengths) / len(lengths))
 
 
+def test_evaluate_with_prompt_lookup_counts_what_generate_with_it_accepts():
+    target = tiny_target("qwen3", seed=3)  # a seed whose greedy answer to this prompt repeats itself
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    prompt = [1, 2, 9, 10, 11, 9, 10, 11, 9, 10]
+    taus = {}
+    for lookup in (False, True):
+        res = evaluate_draft(target, draft, {"a": [prompt]}, EvalConfig(max_new_tokens=30, prompt_lookup=lookup),
+                             progress=False)
+        out = spec_generate(target, draft, torch.tensor([prompt]), max_new_tokens=30, return_stats=True,
+                            stop_token_ids=default_stop_token_ids(target), prompt_lookup=lookup)
+        taus[lookup] = res["datasets"]["a"]["tau"]
+        assert taus[lookup] == pytest.approx(out.tau)
+    assert taus[True] > taus[False] + 0.05, taus
+
+
 def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path):
     home, draft = setup
     prompts = tmp_path / "held-out.jsonl"

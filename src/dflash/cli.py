@@ -53,6 +53,12 @@ def _width_option(p) -> None:
                    "acceptance pays for, see dflash.adaptive)")
 
 
+def _lookup_option(p) -> None:
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="where the text's last 3 (else 2) tokens occurred before, verify what followed them there "
+                   "ahead of the draft's own proposals in the block (the output stays the same)")
+
+
 def _model_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in alias, HF model folder, .gguf file or hub id")
@@ -73,9 +79,7 @@ def _model_options() -> argparse.ArgumentParser:
                    "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain "
                    "step, the n-gram continuation alone, or a tree")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
-    p.add_argument("--prompt-lookup", action="store_true",
-                   help="where the text's last 3 (else 2) tokens occurred before, verify what followed them there "
-                   "ahead of the draft's own proposals in the block (the output stays the same)")
+    _lookup_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -179,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--topk", default="1,2,4", help="also count, per slot, how often the target's token is among the "
                     "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
+    _lookup_option(ev)
     _template_option(ev)
     _runtime_option(ev)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
@@ -237,6 +242,7 @@ def _serve_options(p) -> None:
                    help="candidate trees of N draft nodes per row for steps whose rows all decode greedily (auto = "
                    "step by step what pays: a plain step, the n-gram continuations alone or trees); None = blocks")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
+    _lookup_option(p)
     p.add_argument("--kv-cache-memory", type=_float_in(0, 1e6, lo_open=True), default=None,
                    help="GiB the KV caches may take; requests wait for room, and one that can never fit gets a 400 "
                    "(None = 90%% of the GPU's free memory, half the CPU's available memory)")
@@ -554,7 +560,8 @@ def cmd_evaluate(args) -> int:
                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
                      data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts,
                      topk=[int(k) for k in args.topk.split(",") if k.strip()] or None,
-                     chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+                     chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
+                     prompt_lookup=args.prompt_lookup)
     run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path)})
     return 0
 
@@ -568,7 +575,7 @@ def _engine(args):
                        max_model_len=args.max_model_len, prefill_tokens=args.prefill_tokens, runtime=args.runtime,
                        max_verify_tokens=args.max_verify_tokens, adaptive_width=not args.fixed_width,
                        kv_cache_memory=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-                       tree_budget=args.tree_budget, tree_topk=args.tree_topk)
+                       tree_budget=args.tree_budget, tree_topk=args.tree_topk, prompt_lookup=args.prompt_lookup)
     return LLMEngine(target, tokenizer, draft, cfg)
 
 

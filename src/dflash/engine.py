@@ -59,6 +59,9 @@ class EngineConfig:
     # many as pay, step by step); None: blocks
     tree_budget: int | str | None = None
     tree_topk: int = 4
+    # where a row's text repeats (its last 3, else 2 tokens occurred before), what followed them there fills the
+    # first slots of its block ahead of the draft's own proposals (see dflash.generate's prompt_lookup)
+    prompt_lookup: bool = False
 
 
 class Status(Enum):
@@ -260,7 +263,8 @@ class ModelRunner:
 
     def __init__(self, target, draft: DFlashDraftModel | None, block_size: int, max_model_len: int,
                  runtime: str = "auto", max_verify_tokens: int = 64, adaptive_width: bool = True,
-                 prefill_chunk: int = 512, tree_budget: int | str | None = None, tree_topk: int = 4):
+                 prefill_chunk: int = 512, tree_budget: int | str | None = None, tree_topk: int = 4,
+                 prompt_lookup: bool = False):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
         self.widths = WidthController(self.B) if adaptive_width and draft is not None else None
@@ -272,6 +276,7 @@ class ModelRunner:
         self.max_capacity = max_model_len + self.B + (most + self.B if most else 0) + 1
         self.lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=TreeBudgetController.MATCH_BUCKETS[-1]) \
             if self.tree_budget is not None else None
+        self.prompt_lookup = NgramDraft.repeats(self.B - 1) if prompt_lookup and draft is not None else None
         self.device = next(target.parameters()).device
         self.runtime = runtime
         self.max_verify_tokens = max_verify_tokens
@@ -350,9 +355,13 @@ class ModelRunner:
                       else (TREE, self.tree_budget))
             spec, proposals, width = step_args(option, found, self.tree_topk, self.B)
             adaptive = False
+        prefix = None
+        if self.prompt_lookup is not None and spec is None and proposals is None and width > 1:
+            prefix = [[] if s is None else self.prompt_lookup.propose(s.prompt_ids + s.output_ids, width - 1)
+                      for s in self.rows]
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            None if greedy else lambda logits: _choose_per_row(logits, self.rows),
-                                           width=width, tree=spec, proposals=proposals)
+                                           width=width, tree=spec, proposals=proposals, prefix=prefix)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
@@ -452,7 +461,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, None if budget is None else budget // self.kv_bytes_per_token, B)
         self.runner = ModelRunner(target, draft, B, self.max_model_len, config.runtime, config.max_verify_tokens,
                                   config.adaptive_width, config.prefill_tokens, config.tree_budget,
-                                  config.tree_topk)
+                                  config.tree_topk, config.prompt_lookup)
         self.wakeup = threading.Event()
         self.metrics = None  # a .metrics.EngineMetrics when served
         self.device = self.runner.device

@@ -34,6 +34,7 @@ class EvalConfig:
     prompts: str | None = None  # a JSONL prompt file instead of the named datasets
     topk: list[int] | None = None  # also: how often the target's token is among the draft's k best, per slot
     chat_template_kwargs: dict | None = None  # the chat template's options, e.g. {"enable_thinking": False}
+    prompt_lookup: bool = False  # the text's own continuation ahead of the draft's proposals (generate's option)
 
 
 def slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[float]:
@@ -81,7 +82,7 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
             ids, mask = left_pad(prompts[i:i + cfg.batch_size], pad_id)
             out = spec_generate(target, draft, ids.to(target.device), mask.to(target.device), block_size=B,
                                 max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, return_stats=True,
-                                runtime=cfg.runtime)
+                                runtime=cfg.runtime, prompt_lookup=cfg.prompt_lookup)
             lengths += out.acceptance_lengths
             P = ids.shape[1]
             texts += [(p + out.sequences[r, P:P + n].tolist(), len(p))
