@@ -65,6 +65,9 @@ def main():
             methods[f"ours dflash {rt}"] = lambda ids, kw=kw: spec_generate(target, draft, torch.tensor([ids]), **kw)
             methods[f"ours dflash-adaptive {rt}"] = lambda ids, kw=kw: spec_generate(
                 target, draft, torch.tensor([ids]), adaptive_width=True, **kw)
+            # what `dflash generate` does with no options
+            methods[f"ours dflash-lookup-adaptive {rt}"] = lambda ids, kw=kw: spec_generate(
+                target, draft, torch.tensor([ids]), adaptive_width=True, prompt_lookup=True, **kw)
             methods[f"ours dflash-tree-adaptive {rt}"] = lambda ids, kw=kw: spec_generate(
                 target, draft, torch.tensor([ids]), tree_budget="auto", **kw)
     try:

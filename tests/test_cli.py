@@ -52,7 +52,7 @@ def test_generate_streams_text_and_prints_stats(tiny_gguf, setup):
     tree = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--tree-budget", "auto", env_home=home)
     assert tree.returncode == 0 and tree.stdout == spec.stdout
     assert re.search(r"steps per check plain \d+", tree.stderr), tree.stderr
-    lookup = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--fixed-width", "--prompt-lookup",
+    lookup = run("generate", "hello the", *common(tiny_gguf), "--draft", draft, "--fixed-width", "--no-prompt-lookup",
                  env_home=home)
     assert lookup.returncode == 0 and lookup.stdout == spec.stdout
 
@@ -71,11 +71,11 @@ def test_serve_options_reach_the_engine(tiny_gguf, setup):
 
     _, draft = setup
     base = ["serve", "--model", str(tiny_gguf), "--dtype", "float32", "--draft", str(draft), "--threads", "1"]
-    plain = _engine(build_parser().parse_args(base))
-    lookup = _engine(build_parser().parse_args(base + ["--prompt-lookup", "--fixed-width", "--max-batch-size", "3"]))
-    assert plain.runner.prompt_lookup is None and plain.runner.widths is not None
-    assert lookup.runner.prompt_lookup is not None and lookup.runner.widths is None
-    assert lookup.config.max_batch_size == 3 and lookup.block_size == 4
+    lookup = _engine(build_parser().parse_args(base))  # prompt lookup and adaptive widths by default
+    plain = _engine(build_parser().parse_args(base + ["--no-prompt-lookup", "--fixed-width", "--max-batch-size", "3"]))
+    assert lookup.runner.prompt_lookup is not None and lookup.runner.widths is not None
+    assert plain.runner.prompt_lookup is None and plain.runner.widths is None
+    assert plain.config.max_batch_size == 3 and plain.block_size == 4
     assert [s.output_ids for s in lookup.generate([[5, 6, 7]], max_tokens=8)] == \
         [s.output_ids for s in plain.generate([[5, 6, 7]], max_tokens=8)]
 

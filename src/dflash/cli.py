@@ -53,8 +53,8 @@ def _width_option(p) -> None:
                    "acceptance pays for, see dflash.adaptive)")
 
 
-def _lookup_option(p) -> None:
-    p.add_argument("--prompt-lookup", action="store_true",
+def _lookup_option(p, default: bool) -> None:
+    p.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=default,
                    help="where the text's last 3 (else 2) tokens occurred before, verify what followed them there "
                    "ahead of the draft's own proposals in the block (the output stays the same)")
 
@@ -79,7 +79,7 @@ def _model_options() -> argparse.ArgumentParser:
                    "n-gram continuation) instead of one block, greedy only; auto = step by step, what pays: a plain "
                    "step, the n-gram continuation alone, or a tree")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
-    _lookup_option(p)
+    _lookup_option(p, True)
     p.add_argument("--seed", type=int, default=0, help="seed for sampling")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None = bf16 on CPU, "
                                                    "the model's own on GPU")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--topk", default="1,2,4", help="also count, per slot, how often the target's token is among the "
                     "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
-    _lookup_option(ev)
+    _lookup_option(ev, False)
     _template_option(ev)
     _runtime_option(ev)
     sv = sub.add_parser("serve", formatter_class=fmt, help="OpenAI-compatible server with continuous batching",
@@ -242,7 +242,7 @@ def _serve_options(p) -> None:
                    help="candidate trees of N draft nodes per row for steps whose rows all decode greedily (auto = "
                    "step by step what pays: a plain step, the n-gram continuations alone or trees); None = blocks")
     p.add_argument("--tree-topk", type=_int_at_least(1), default=4, help="the draft's best tokens per slot in trees")
-    _lookup_option(p)
+    _lookup_option(p, True)
     p.add_argument("--kv-cache-memory", type=_float_in(0, 1e6, lo_open=True), default=None,
                    help="GiB the KV caches may take; requests wait for room, and one that can never fit gets a 400 "
                    "(None = 90%% of the GPU's free memory, half the CPU's available memory)")
