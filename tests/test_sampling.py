@@ -57,6 +57,16 @@ def chi_square_z(counts: dict, probs: dict, n: int) -> float:
     return ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
 
 
+def every_pair() -> torch.Tensor:
+    """A de Bruijn sequence of order 2 over the V tokens, wrapped: every pair of tokens occurs in it."""
+    seq, seen, t = [0], set(), 0
+    while len(seen) < V * V:
+        t = next(u for u in reversed(range(V)) if (t, u) not in seen)  # prefer-largest greedy construction
+        seen.add((seq[-1], t))
+        seq.append(t)
+    return torch.tensor(seq)
+
+
 def sample_counts(fn, prompt, seed):
     counts = {}
     g = torch.Generator().manual_seed(seed)
@@ -97,6 +107,13 @@ def test_spec_and_plain_sampling_match_exact_distribution(setup, temperature, to
     for name, fn in runs.items():
         z = chi_square_z(sample_counts(fn, prompt, seed=17), probs, N)
         assert z < 4.0, f"{name}: sampled distribution differs from the target's (z={z:.1f})"
+    # prompt lookup: after a prompt holding every pair of tokens, each step's block starts with the text's own
+    # continuation of its last 3 (else 2) tokens ahead of the draft's proposals
+    pairs = every_pair()
+    lookup = sample_counts(lambda ids, g: spec_generate(target, base, ids, generator=g, prompt_lookup=True, **kw),
+                           pairs, seed=17)
+    z = chi_square_z(lookup, exact_joint(target, pairs, temperature, top_k, top_p), N)
+    assert z < 4.0, f"spec-lookup: sampled distribution differs from the target's (z={z:.1f})"
     # support: nothing is ever sampled that top-k/top-p excluded
     counts = sample_counts(runs["spec-oracle"], prompt, seed=5)
     assert all(probs[k] > 0 for k in counts)
