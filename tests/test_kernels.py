@@ -222,6 +222,23 @@ def test_each_int4_build_does_the_reference_arithmetic_and_all_agree_bitwise(bui
             assert torch.equal(kernels.int4_op(other)(x, w.qweight, w.scales), y), (build, other, rows)
 
 
+def test_the_avx_vnni_code_gives_the_avx2_bits_with_vpdpbusd_emulated():
+    # where the CPU lacks AVX-VNNI, its build's code (vpdpbusd in place of each vpmaddubsw + vpmaddwd pair) runs
+    # with that one instruction emulated exactly by AVX2 ones: the layout, the sums and the epilogue are checked
+    # here on every AVX2 CPU, and the instruction itself where a CPU has it (the avx_vnni build above)
+    _skip_unless_built("avx2")
+    assert kernels._int4_build("avx_vnni_emulated") is None
+    g = torch.Generator().manual_seed(5)
+    w4 = kernels.Int4Weight(torch.randn(160, 96, generator=g), ours=True)
+    w8 = kernels.Q8Weight(torch.randn(200, 96, generator=g))
+    for rows in (1, 2, 3, 5, 8, 9, 17):
+        x = torch.randn(rows, 96, generator=g).bfloat16()
+        x[0, 32:64] = 0
+        for name, w in (("int4_linear", w4), ("q8_linear", w8)):
+            y = kernels.int4_op("avx_vnni_emulated", name)(x, w.qweight, w.scales)
+            assert torch.equal(y, kernels.int4_op("avx2", name)(x, w.qweight, w.scales)), (name, rows)
+
+
 @needs_int4_kernel
 def test_int4_kernel_inside_torch_compile_and_on_bad_input(monkeypatch):
     w = kernels.Int4Weight(torch.randn(32, 64))

@@ -211,12 +211,18 @@ class Int8Weight(_WeightOnlyQuantized):
 
 
 # builds of dflash's int4 kernel (csrc/int4.cpp), best first: the CPU flags each needs and its compiler flags (the
-# AMX build is the VNNI one with tile products for batches of 10 rows or more)
+# AMX build is the VNNI one with tile products for batches of 10 rows or more; the AVX-VNNI build is the AVX2 one
+# with vpdpbusd on 8 lanes)
 _VNNI = ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma", "f16c"},
          ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"])
+_AVX2 = ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])
 INT4_BUILDS = {"avx512_amx": (_VNNI[0] | {"amx_tile", "amx_int8"}, [*_VNNI[1], "-mamx-tile", "-mamx-int8"]),
                "avx512_vnni": _VNNI,
-               "avx2": ({"avx2", "fma", "f16c"}, ["-mavx2", "-mfma", "-mf16c"])}
+               "avx_vnni": (_AVX2[0] | {"avx_vnni"}, [*_AVX2[1], "-mavxvnni"]),
+               "avx2": _AVX2}
+# the AVX-VNNI build's code with its one VNNI instruction emulated exactly by AVX2 ones, for tests on CPUs without
+# AVX-VNNI; never chosen to run a model
+INT4_EMULATED = {"avx_vnni_emulated": (_AVX2[0], [*_AVX2[1], "-DDFLASH_EMULATE_AVX_VNNI"])}
 INT4_KERNELS = ("auto", "dflash", "torch")
 
 
@@ -272,7 +278,7 @@ def _int4_build(build: str) -> str | None:
         folder = dflash_home() / "kernels" / f"torch-{torch.__version__}"
         folder.mkdir(parents=True, exist_ok=True)
         load(name=lib, sources=[str(Path(__file__).parent / "csrc" / "int4.cpp")],
-             extra_cflags=["-O3", *INT4_BUILDS[build][1], f"-DDFLASH_INT4_LIB={lib}", "-fopenmp"],
+             extra_cflags=["-O3", *(INT4_BUILDS | INT4_EMULATED)[build][1], f"-DDFLASH_INT4_LIB={lib}", "-fopenmp"],
              extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
     except Exception as e:
         return str(e)

@@ -27,6 +27,11 @@
 // y += xscale * scale * sum(q * xq) per group, with the same promise. The VNNI builds take two tiles at a time with
 // `vpdpbusd` (q8_tile_pair), the AVX2 code otherwise: the same integer sums and float epilogue, so the same bits.
 //
+// An AVX-VNNI build (Alder Lake and later client CPUs, which lack AVX-512) is the AVX2 code with `vpdpbusd` on 8
+// lanes in place of each `vpmaddubsw` + `vpmaddwd` pair: the same exact int32 sums, so the same bits, for fewer
+// instructions per row. Tests run that code where the CPU lacks AVX-VNNI with vpdpbusd emulated exactly
+// (DFLASH_EMULATE_AVX_VNNI: AVX2 instructions making the same sums).
+//
 // A third build adds AMX (Sapphire Rapids and later) to the VNNI one: for passes of 10 to 16 rows, each group's
 // integer sums come from one tile product (`tdpbsud`: signed inputs x unsigned nibbles) for all the rows at once
 // instead of two `vpdpbusd` per row and octet, so the per-row work left is the float epilogue (Q8_0 keeps its
@@ -278,6 +283,22 @@ constexpr AmxRowsFn kAmxRows[kAmxMaxRows + 1] = {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
+#if defined(__AVXVNNI__) || defined(DFLASH_EMULATE_AVX_VNNI)
+#define DFLASH_AVX_VNNI 1
+// acc plus, per int32 lane, the sum of its four u8 x s8 byte products (vpdpbusd: exact, no saturation)
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  // bytes widened to int16 (u zero-extended, s sign-extended), even and odd bytes apart; vpmaddwd adds each
+  // lane's two even products and its two odd ones exactly, and the sum of both is the lane's four
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF)), u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+#endif
+}
+#endif
+
 // A group's 32 inputs x 8 outputs without VNNI: `vpmaddubsw` makes u8 x s8 pairs into int16 (at most
 // 2 x 15 x 127 = 3810), the group's eight of them (lo and hi nibbles of four octets) add up in int16 (at most
 // 30480: no overflow, so in any order), and one `vpmaddwd` by ones makes each output's int32 sum. All exact: the
@@ -295,7 +316,8 @@ template <int M>
 void tile_rows(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                int64_t K, int64_t N, int64_t tile, uint16_t* y) {
   const int64_t groups = K / kGroup, octets = K / 8;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with vpdpbusd
   const uint8_t* slab = q + tile * octets * 64;
   const uint16_t* sl0 = scales + tile * groups * 2 * kTile;
   __m256 acc[M][2];
@@ -318,8 +340,12 @@ void tile_rows(const int8_t* xq, const float* xscale, const float* xoff, const u
         const int32_t* x4 = reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup) + 2 * o;
         const __m256i xlo = _mm256_set1_epi32(x4[0]), xhi = _mm256_set1_epi32(x4[1]);
         for (int h = 0; h < 2; ++h) {
+#ifdef DFLASH_AVX_VNNI  // the int32 sums directly (sum16 holds them here)
+          sum16[m][h] = dpbusd(dpbusd(sum16[m][h], lo[h], xlo), hi[h], xhi);
+#else
           sum16[m][h] = _mm256_add_epi16(_mm256_add_epi16(sum16[m][h], _mm256_maddubs_epi16(lo[h], xlo)),
                                          _mm256_maddubs_epi16(hi[h], xhi));
+#endif
           asm("" : "+x"(sum16[m][h]));
         }
       }
@@ -328,7 +354,11 @@ void tile_rows(const int8_t* xq, const float* xscale, const float* xoff, const u
       const uint16_t* sl = sl0 + g * 2 * kTile + h * 8;
       const __m256 scale = fp16x8_to_fp32(sl), low = fp16x8_to_fp32(sl + kTile);
       for (int m = 0; m < M; ++m) {
+#ifdef DFLASH_AVX_VNNI
+        const __m256i dot = sum16[m][h];
+#else
         const __m256i dot = _mm256_madd_epi16(sum16[m][h], ones);
+#endif
         const __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(xscale[m * groups + g]));
         acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[m][h]);
         acc[m][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(xoff[m * groups + g]), acc[m][h]);
@@ -459,7 +489,7 @@ template <int M>
 void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint16_t* scales, int64_t K, int64_t N,
              int64_t tile, uint16_t* y) {
   const int64_t groups = K / kGroup, quads = K / 4;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with vpdpbusd
   const int8_t* slab = q + tile * quads * 32;
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -472,8 +502,12 @@ void q8_tile(const int8_t* xq, const float* xscale, const int8_t* q, const uint1
       const __m256i magnitude = _mm256_abs_epi8(w);
       for (int m = 0; m < M; ++m) {
         const __m256i x = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq + m * K + g * kGroup)[o]);
+#ifdef DFLASH_AVX_VNNI
+        dot[m] = dpbusd(dot[m], magnitude, _mm256_sign_epi8(x, w));
+#else
         dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w)),
                                                             ones));
+#endif
       }
     }
     const __m256 scale = fp16x8_to_fp32(scales + (tile * groups + g) * kQ8Tile);
