@@ -1,40 +1,62 @@
 #!/usr/bin/env bash
-# Trains the EAGLE-3-style peer for the default model on the data of scripts/build_default_draft.sh (run that
-# script first: its data, and its shipped DFlash draft for the comparison), ships it beside the DFlash draft,
-# and benches every method on every dataset in one run.
-# Rerunning resumes from the latest checkpoint, so the work can be spread over several sittings.
+# Trains the EAGLE-3-style peer for the default model at equal compute with the DFlash draft of
+# scripts/build_default_draft.sh (run that first: its answer folders, feature cache and training run are this
+# script's inputs), evaluates both on the same held-out sets, prints DFlash's tau over the peer's per set, ships
+# the peer beside the DFlash draft and benches every method on every dataset in one run.
+# Rerunning resumes where it stopped, so the work can be spread over several sittings.
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_eagle3_draft.sh
 #
-# The shipped peer trained both stages on this 2-core CPU: 3088 + 8000 steps in 4.34 h (the DFlash draft: 4.51 h),
-# held-out tau 1.78 after stage 1 and 1.95 after stage 2 (its model card has the numbers and the bench table).
+# Equal compute: the peer's cosine schedule is sized (--max-hours) to the wall-clock hours the DFlash run took
+# (its log's, every sitting added up), on the same data and feature cache; HOURS=H overrides that. Train both on
+# the same machine: hours on two machines are not the same compute. The peer drafts a chain of CHAIN tokens,
+# verified at width CHAIN+1 as DFlash's block of 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding gsm8k/, mbpp/, math500/}"
+: "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
 WORK="${WORK:-runs/default-draft}"
 MODEL="smollm2-135m-instruct"
 THREADS="${THREADS:-2}"
-CHAIN="${CHAIN:-6}"                          # proposals per step (verify width CHAIN+1), unrolled in training
-PROMPTS="${PROMPTS:-5}"                      # prompts per dataset in the comparison
+CHAIN="${CHAIN:-7}"                          # proposals per step (verify width CHAIN+1), unrolled in training
+PROMPTS="${PROMPTS:-5}"                      # prompts per dataset in the bench
+FOLDERS="${FOLDERS:-first rest self-answers sampled-1}"   # as build_default_draft.sh
 SHIP="src/dflash/drafts/$MODEL-eagle3"
+ALL=(); for f in $FOLDERS; do ALL+=(data/"$MODEL"/"$f"); done
+CACHE=(); for d in "${ALL[@]}"; do CACHE+=("$WORK/features/$(basename "$d")"); done
+DFLASH_RUN="$WORK/train"
+[ -f "$DFLASH_RUN/log.jsonl" ] || { echo "build_eagle3_draft.sh: no DFlash run at $DFLASH_RUN (run build_default_draft.sh)" >&2; exit 2; }
+HOURS="${HOURS:-$(cd scripts && python -c "from model_card import stage; \
+print(round(stage('../$DFLASH_RUN')['wall'] / 3600, 3))")}"
+echo "build_eagle3_draft.sh: the peer trains for the DFlash run's $HOURS h" >&2
 
-train() {
-    dflash train --method eagle3 --target "$MODEL" --data "$WORK/data" --block-size "$((CHAIN + 1))" \
-        --draft-vocab-size 8192 --num-anchors 128 --max-length 1536 --save-interval 200 --eval-interval 1000 \
-        --eval-samples 16 --save-dtype bfloat16 --threads "$THREADS" --resume "$@"
-}
-# stage 1: one epoch from a fresh draft; stage 2: a three-epoch schedule at a lower peak rate, cut where the
-# training time comes to the DFlash draft's 4.5 h (the comparison is at equal compute; the rate is near 0 there)
-train --output "$WORK/eagle3" --epochs 1 --lr 1e-3
-train --output "$WORK/eagle3-2" --init-draft "$WORK/eagle3/final" --epochs 3 --max-steps "${STAGE2_STEPS:-8000}" --lr 6e-4
-FINAL="$WORK/eagle3-2/final"
+PEER="$WORK/eagle3"
+dflash train --method eagle3 --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --output "$PEER" \
+    --num-layers 1 --num-target-features 3 --block-size "$((CHAIN + 1))" --num-anchors 128 --lr 6e-4 --warmup 0.04 \
+    --epochs 3 --max-hours "$HOURS" --draft-vocab-size 8192 --max-length 1536 --compile --eval-interval 1000 \
+    --save-interval 100 --save-dtype bfloat16 --threads "$THREADS" --resume
+
+# the same held-out evaluation for both (40 prompts x 128 tokens of each test set, fixed width)
+for run in "$DFLASH_RUN" "$PEER"; do
+    [ -f "$run/evaluate/results.json" ] || dflash evaluate --draft "$run/final" --block-size "$((CHAIN + 1))" \
+        --topk "" --threads "$THREADS" --out "$run/evaluate"
+done
+python - "$DFLASH_RUN/evaluate/results.json" "$PEER/evaluate/results.json" <<'EOF'
+import json, sys
+ours, peer = (json.load(open(p))["datasets"] for p in sys.argv[1:])
+print("dataset      DFlash tau  peer tau  ratio")
+for name in ours:
+    a, b = ours[name]["tau"], peer[name]["tau"]
+    print(f"{name:12s} {a:10.2f} {b:9.2f} {a / b:6.2f}")
+EOF
+
 mkdir -p "$SHIP"
-cp "$FINAL/model.safetensors" "$FINAL/config.json" "$SHIP/"
-
+cp "$PEER/final/model.safetensors" "$PEER/final/config.json" "$SHIP/"
 # every method on the same prompts in one process; the shipped drafts are the defaults of --draft/--eagle-draft
 mkdir -p "$WORK/bench-peers"
 dflash bench --model "$MODEL" \
     --methods ar,dflash,dflash-adaptive,eagle3,eagle3-adaptive,ngram,hf,hf-prompt-lookup,hf-early-exit \
     --datasets gsm8k,math500,humaneval,mbpp --num-prompts "$PROMPTS" --max-new-tokens 256 \
     --threads "$THREADS" --out "$WORK/bench-peers" | tee "$WORK/bench-peers/table.txt"
-python scripts/model_card.py --train "$WORK/eagle3" --train "$WORK/eagle3-2" --data "$WORK/data" --bench "$WORK/bench-peers" --out "$SHIP/README.md"
+CARD=(); for d in "${ALL[@]}"; do CARD+=(--data "$d"); done
+python scripts/model_card.py --train "$PEER" "${CARD[@]}" --bench "$WORK/bench-peers" --evaluate "$PEER/evaluate" \
+    --out "$SHIP/README.md"
