@@ -1,5 +1,8 @@
 """Greedy losslessness: every row equals the target's own greedy decoding of that prompt alone."""
 
+import random
+from array import array
+
 import pytest
 import torch
 
@@ -216,6 +219,34 @@ def test_ngram_lookup():
     assert d.match([1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2]) == (2, [3, 7, 1])
     assert NgramDraft(num_tokens=2, max_ngram=6).match([5, 1, 2, 3, 8, 0, 2, 3, 9, 1, 2, 3]) == (3, [8, 0])
     assert d.match([4, 8, 1, 4]) == (1, [8, 1, 4]) and d.match([5, 6, 7]) == (0, [])
+
+
+def _match_by_scan(history, num_tokens, max_ngram, min_ngram):
+    """The lookup's definition, token by token: at every earlier place the length of the suffix it shares with
+    the history's end (at most max_ngram), the longest kept, the latest among equals."""
+    end, best_n, best_at = len(history) - 1, 0, -1
+    for at in range(end - 1, -1, -1):
+        n = 0
+        while n < min(max_ngram, end) and n <= at and history[at - n] == history[end - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_at = n, at
+    return (0, []) if best_n < min_ngram else (best_n, history[best_at + 1:best_at + 1 + num_tokens])
+
+
+def test_ngram_lookup_equals_its_definition_on_random_texts():
+    # the C-speed search (4-byte words, rfind) against the definition; large ids whose bytes repeat inside
+    # other ids would match across word boundaries if alignment were not checked
+    from dflash.ngram import NgramDraft
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        vocab = rng.choice([[0, 1], [1, 2, 3], [7, 256, 65536 + 7, 7 * 256 ** 3], list(range(6))])
+        history = [rng.choice(vocab) for _ in range(rng.randrange(0, 40))]
+        max_ngram = rng.randrange(1, 5)
+        d = NgramDraft(num_tokens=rng.randrange(1, 6), max_ngram=max_ngram, min_ngram=rng.randrange(1, max_ngram + 1))
+        expected = _match_by_scan(history, d.num_tokens, d.max_ngram, d.min_ngram)
+        assert d.match(history) == d.match(array("i", history)) == expected, (history, d)  # a list or an array
 
 
 @pytest.mark.parametrize("arch,seed", [("llama", 3), ("qwen3", 1)])

@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -132,6 +133,11 @@ class Sequence:
     # sampled with the client's seed: its draws must repeat, so the steps it is in keep a width that does not
     # depend on timing
     seeded: bool = False
+    # prompt and output as one array, extended as tokens commit: what a step's n-gram lookups search
+    token_ids: array = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.token_ids = array("i", self.prompt_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,6 +157,7 @@ class Sequence:
             if len(tokens) == room:
                 self.finish_reason = "length"
         self.output_ids += tokens
+        self.token_ids.extend(tokens)
         if self.text is None:
             return ""
         delta = self.text.push(tokens, final=self.finish_reason is not None)
@@ -350,14 +357,14 @@ class ModelRunner:
         spec, option, found, proposals = None, None, None, None
         greedy = all(s.sampling.greedy for s in live)
         if self.tree_budget is not None and not self.width_plan and greedy:
-            found = [(0, []) if s is None else self.lookup.match(s.prompt_ids + s.output_ids) for s in self.rows]
+            found = [(0, []) if s is None else self.lookup.match(s.token_ids) for s in self.rows]
             option = (self.budgets.choose(len(self.rows), [n for n, _ in found]) if self.budgets is not None
                       else (TREE, self.tree_budget))
             spec, proposals, width = step_args(option, found, self.tree_topk, self.B)
             adaptive = False
         prefix = None
         if self.prompt_lookup is not None and spec is None and proposals is None and width > 1:
-            prefix = [[] if s is None else self.prompt_lookup.propose(s.prompt_ids + s.output_ids, width - 1)
+            prefix = [[] if s is None else self.prompt_lookup.propose(s.token_ids, width - 1)
                       for s in self.rows]
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            None if greedy else lambda logits: _choose_per_row(logits, self.rows),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,8 +109,8 @@ def copyable(ids: list[int], start: int) -> list[bool]:
     draft could take by copying from its context."""
     from .ngram import NgramDraft
 
-    lookup = NgramDraft.repeats(1)
-    return [lookup.propose(ids[:i], 1) == [ids[i]] for i in range(start, len(ids))]
+    lookup, words = NgramDraft.repeats(1), array("i", ids)  # an array's prefixes reach the lookup unconverted
+    return [lookup.propose(words[:i], 1) == [ids[i]] for i in range(start, len(ids))]
 
 
 @torch.no_grad()

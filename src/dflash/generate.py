@@ -10,6 +10,7 @@ sampled output has exactly the target's distribution.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -188,7 +189,7 @@ class _Generation:
         self.prompt_lookup = NgramDraft.repeats(self.B - 1) if (
             prompt_lookup and self.tree is None and isinstance(draft, DFlashDraftModel) and
             not isinstance(draft, Eagle3DraftModel)) else None
-        self.history: list[list[int]] | None = None  # each row's text so far, on the host, where lookups need it
+        self.history: list[array] | None = None  # each row's text so far, on the host, where lookups need it
         self.ttft = 0.0
         self.total = 0.0
 
@@ -236,7 +237,7 @@ class _Generation:
         yield [[t] for t in first.tolist()]
         if batch.ngram is not None or (self.tree is not None and self.tree.ngram) or self.prompt_lookup is not None:
             prompts = [self.input_ids[r][self.mask[r]].tolist() for r in range(b)]
-            self.history = [p + [t] for p, t in zip(prompts, first.tolist())]
+            self.history = [array("i", p + [t]) for p, t in zip(prompts, first.tolist())]
         # matches up to the longest length the budget controller tells apart (a longer match proposes better)
         lookup = NgramDraft(num_tokens=self.B - 1, max_ngram=TreeBudgetController.MATCH_BUCKETS[-1]) \
             if self.tree is not None and self.tree.ngram else None
@@ -295,7 +296,7 @@ class _Generation:
             for i, (r, n) in enumerate(zip(live_rows, n_rows)):
                 step[r] = tokens[i * q:i * q + n]
                 if self.history is not None:
-                    self.history[r] += step[r]
+                    self.history[r].extend(step[r])
             if spec is not None:
                 self._tree_stats(batch.last_tree, live_rows, host[3 * L:4 * L])
             elif proposals is not None:  # an n-gram chain: its accepted tokens came from the text
