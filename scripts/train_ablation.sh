@@ -20,7 +20,8 @@
 # a step, 4x the sequences: the anchors of one answer share most of their context, so their gradients are alike;
 # without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step; r12 r10 with r9's
 # heads; r13 r12 with 2 layers; r14 16 sequences of 16 anchors; r15 r11 with r9's heads; r16 r15 with 2
-# layers; r17 r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm). e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
+# layers; r17 r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm); r19 r15 with its layer
+# copied from the target's last. e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
 # 128 anchors a sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the
 # comparison at equal compute.
 #
@@ -29,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r18, e0}"
+ARM="${1:?name an arm: r0..r19, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -63,6 +64,7 @@ case "$ARM" in
     r16) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 2) ;;
     r17) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --gamma 7) ;;
     r18) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --block-size 16) ;;
+    r19) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --init-from-target) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
