@@ -18,8 +18,9 @@ from dflash.loading import load_draft
 from dflash.model import DraftKVCache, layer_masks
 from dflash.dataset import read_dataset
 from dflash.regenerate import RegenerateConfig, regenerate
-from dflash.train import (DFlashTrainStep, TrainConfig, block_inputs, compute_features, loss_weights,
-                          sample_anchors, target_features, target_topk, train, valid_anchors)
+from dflash.train import (DFlashTrainStep, FeatureStore, TrainConfig, block_inputs, compute_features,
+                          feature_runtime, loss_weights, sample_anchors, target_features, target_topk, train,
+                          valid_anchors)
 from structured import make_tokenizer, trained_target, write_prompts
 from tiny import tiny_target
 
@@ -467,6 +468,41 @@ def test_cached_features_give_the_same_training(lang, tmp_path):
     assert not torch.allclose(c.fc.weight, a.fc.weight, atol=1e-4)  # the distilled run learnt otherwise
 
 
+def test_features_from_a_lean_runtime_equal_the_models_own_and_a_folder_keeps_its_runtime(lang, tmp_path):
+    target, tok, root = lang
+    records = read_dataset([root / "data"])[:12]
+    ids = DFlashDraftModel.from_target(target, mask_token_id=MASK).config.target_layer_ids
+    kw = dict(max_length=3072, dtype="float32", chunk=5, progress=False, distill_topk=4)
+    compute_features(target, records, ids, tmp_path / "hf", **kw)
+    made = compute_features(target, records, ids, tmp_path / "fast", runtime="auto", **kw)
+    assert made["runtime"] == "fast" and feature_runtime(tmp_path / "fast") == "fast"
+    hf, fast = FeatureStore(tmp_path / "hf"), FeatureStore(tmp_path / "fast")
+    for i in range(len(records)):
+        a, b = hf.get(i), fast.get(i)
+        assert a.shape == b.shape == (min(len(records[i]["input_ids"]), 3072), len(ids) * target.config.hidden_size)
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), i
+    def tensors(folder):
+        from safetensors.torch import load_file
+
+        return {k: v for f in sorted(folder.glob("features-*")) for k, v in load_file(f).items()}
+    ta, tb = tensors(tmp_path / "hf"), tensors(tmp_path / "fast")
+    assert ta.keys() == tb.keys() and any(k.endswith(".ids") for k in ta)
+    for k in ta:
+        if k.endswith(".logp"):
+            assert torch.allclose(ta[k], tb[k], atol=1e-4), k
+    # resuming keeps the folder's runtime: another one is an error that names both
+    with pytest.raises(DFlashError, match="runtime 'fast' \\(asked: 'hf'\\)"):
+        compute_features(target, records, ids, tmp_path / "fast", runtime="hf", **kw)
+    # a folder from before manifests named the runtime was made by the model's own forward, and resumes with it
+    m = json.loads((tmp_path / "hf" / "manifest.json").read_text())
+    del m["runtime"]
+    (tmp_path / "hf" / "manifest.json").write_text(json.dumps(m))
+    (tmp_path / "hf" / "features-0000010.safetensors").unlink()
+    assert feature_runtime(tmp_path / "hf") == "hf" and feature_runtime(tmp_path / "none") is None
+    compute_features(target, records, ids, tmp_path / "hf", runtime="hf", **kw)
+    assert torch.equal(FeatureStore(tmp_path / "hf").get(11), hf.get(11))
+
+
 def test_a_feature_folder_per_dataset_folder_trains_as_one_folder_for_all(lang, tmp_path):
     target, tok, root = lang
     records = read_dataset([root / "data"])
@@ -740,7 +776,8 @@ def test_train_cli_with_yaml_config(lang, tmp_path):
                         str(tmp_path / "feats"), "--threads", "1"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     made = json.loads(r.stdout.strip().splitlines()[-1])
-    assert made["made"] == [{"features": str(tmp_path / "feats"), "records": 48}]
+    # a new folder: the default runtime (the lean path for this fp32 Llama), named in the output and manifest
+    assert made["made"] == [{"features": str(tmp_path / "feats"), "records": 48, "runtime": "fast"}]
     assert made["target_layer_ids"] == cfg["target_layer_ids"]
     r = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", str(yml), "--output",
                         str(tmp_path / "run2"), "--features", str(tmp_path / "feats"), "--threads", "1"],

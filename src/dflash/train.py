@@ -311,29 +311,45 @@ def target_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, logp
 
 
+def feature_runtime(folder) -> str | None:
+    """The runtime that made the features in `folder` (None: no features there yet). Folders from before the
+    manifest named it were made by the model's own forward."""
+    mpath = Path(folder) / "manifest.json"
+    return json.loads(mpath.read_text()).get("runtime", "hf") if mpath.is_file() else None
+
+
 def compute_features(target, records, layer_ids, output, *, max_length, dtype, chunk=64, progress=True,
-                     distill_topk: int = 0):
+                     distill_topk: int = 0, runtime: str = "hf"):
     """Writes every record's target features to `output` (resumable, one atomic shard per chunk); with
-    distill_topk, also the target's top tokens after every position (target_topk)."""
+    distill_topk, also the target's top tokens after every position (target_topk). runtime: the target forward
+    that computes them (dflash.fast.make_adapter's names); 'hf' is the one live training runs, a lean runtime
+    gives the features the draft will see when it serves beside that runtime (the int4 runtime's differ from the
+    model's own by its rounding) and is faster."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
+    from .fast import make_adapter, resolve_runtime
     from .io import atomic_path
 
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
+    runtime = resolve_runtime(target, runtime)
     fp = dataset_fingerprint(records, max_length)
     manifest = {"target_layer_ids": list(layer_ids), "fingerprint": fp, "num_records": len(records),
-                "chunk": chunk, "max_length": max_length, "dtype": dtype}
+                "chunk": chunk, "max_length": max_length, "dtype": dtype, "runtime": runtime}
     if distill_topk:
         manifest["distill_topk"] = distill_topk
     mpath = out / "manifest.json"
     if mpath.is_file():
         old = json.loads(mpath.read_text())
+        old.setdefault("runtime", "hf")
         if old != manifest:
-            raise DFlashError(f"{out} holds features made with other settings; use another folder")
+            diff = ", ".join(f"{k} {old.get(k)!r} (asked: {manifest.get(k)!r})" for k in sorted({*old, *manifest})
+                             if old.get(k) != manifest.get(k))
+            raise DFlashError(f"{out} holds features made with other settings: {diff}; use another folder")
     else:
         atomic_write_text(mpath, json.dumps(manifest, indent=2) + "\n")
+    adapter = None if runtime == "hf" else make_adapter(target, list(layer_ids), runtime)
     todo = [s for s in range(0, len(records), chunk) if not (out / f"features-{s:07d}.safetensors").is_file()]
     bar = tqdm(total=len(records), initial=len(records) - sum(min(chunk, len(records) - s) for s in todo),
                unit="seq", desc="features", disable=not progress, dynamic_ncols=True)
@@ -341,18 +357,32 @@ def compute_features(target, records, layer_ids, output, *, max_length, dtype, c
         tensors = {}
         for i in range(s, min(s + chunk, len(records))):
             ids = torch.tensor(records[i]["input_ids"][:max_length])
-            if distill_topk:
+            if adapter is not None:
+                feats, logits = _runtime_features(adapter, ids, with_logits=bool(distill_topk))
+            elif distill_topk:
                 feats, logits = target_features(target, layer_ids, ids, with_logits=True)
-                top, logp = target_topk(logits, distill_topk)
-                tensors[f"{i}.ids"], tensors[f"{i}.logp"] = top.int().cpu().contiguous(), logp.cpu().contiguous()
             else:
                 feats = target_features(target, layer_ids, ids)
+            if distill_topk:
+                top, logp = target_topk(logits, distill_topk)
+                tensors[f"{i}.ids"], tensors[f"{i}.logp"] = top.int().cpu().contiguous(), logp.cpu().contiguous()
             tensors[str(i)] = feats.to(getattr(torch, dtype)).cpu().contiguous()
             bar.update(1)
         with atomic_path(out / f"features-{s:07d}.safetensors") as tmp:
             save_file(tensors, tmp)
     bar.close()
     return manifest
+
+
+@torch.inference_mode()
+def _runtime_features(adapter, ids: torch.Tensor, with_logits: bool):
+    """target_features through a runtime's adapter: one prompt pass over the whole sequence [T]."""
+    n = ids.shape[0]
+    adapter.reset(1, n)
+    ids = ids[None].to(adapter.device)
+    logits, feats = adapter.forward(ids, torch.arange(n, device=ids.device)[None], capture=True,
+                                    logits_to_keep=0 if with_logits else 1)
+    return feats[0], logits[0] if with_logits else None
 
 
 # ---- the loop --------------------------------------------------------------------------------------------
