@@ -8,7 +8,7 @@
 #
 # FEATURES=DIR reads the target's features from a cache instead of running the target every step (a large part of
 # a step on a CPU; the same training), made once for all arms, with the target's top 32 tokens after every
-# position for r8 (which then distils from those: --distill-topk 32, not the whole distribution):
+# position for r8 and r20 (which then distil from those: --distill-topk 32, not the whole distribution):
 #   dflash features --data data/smollm2-135m-instruct/first --features runs/features/first --num-target-features 3 \
 #       --max-length 1536 --distill-topk 32 --threads 1
 #
@@ -21,7 +21,7 @@
 # without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step; r12 r10 with r9's
 # heads; r13 r12 with 2 layers; r14 16 sequences of 16 anchors; r15 r11 with r9's heads; r16 r15 with 2
 # layers; r17 r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm); r19 r15 with its layer
-# copied from the target's last. e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
+# copied from the target's last; r20 r15 with r8's distillation; r21 r15 with 3 layers. e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
 # 128 anchors a sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the
 # comparison at equal compute.
 #
@@ -41,7 +41,7 @@ CACHE=()
 [ -n "${FEATURES:-}" ] && CACHE=(--features $FEATURES)  # one folder, or one per DATA folder (space-separated)
 # COMPILE=1: the training step through torch.compile (the same training, faster steps; the table says which ran so)
 [ -n "${COMPILE:-}" ] && CACHE+=(--compile)
-[ -n "${FEATURES:-}" ] && [ "$ARM" = r8 ] && CACHE+=(--distill-topk 32)
+case "$ARM" in r8|r20) [ -n "${FEATURES:-}" ] && CACHE+=(--distill-topk 32) ;; esac
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
 DATA="${DATA:-data/smollm2-135m-instruct/first}"
 case "$ARM" in
@@ -65,6 +65,8 @@ case "$ARM" in
     r17) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --gamma 7) ;;
     r18) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --block-size 16) ;;
     r19) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --init-from-target) ;;
+    r20) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --distill 0.5) ;;
+    r21) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
