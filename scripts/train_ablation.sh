@@ -30,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r19, e0}"
+ARM="${1:?name an arm: r0..r21, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
