@@ -481,6 +481,7 @@ def test_features_from_a_lean_runtime_equal_the_models_own_and_a_folder_keeps_it
         a, b = hf.get(i), fast.get(i)
         assert a.shape == b.shape == (min(len(records[i]["input_ids"]), 3072), len(ids) * target.config.hidden_size)
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4), i
+
     def tensors(folder):
         from safetensors.torch import load_file
 

@@ -337,7 +337,7 @@ def _train_parsers(sub, fmt):
     fe.add_argument("--runtime", choices=RUNTIMES, default=None,
                     help="target forward that computes them (the names of `dflash generate --runtime`); default: "
                     "the one a folder was started with, and `auto` for a new folder, i.e. the features the draft "
-                    "will see beside the default runtime (for the default 4-bit GGUF: the int4 runtime, about 1.8x "
+                    "will see beside the default runtime (for the default 4-bit GGUF: the int4 runtime, about 1.45x "
                     "faster than hf on an AVX2 CPU); hf = the model's own forward, what training without --features "
                     "runs (in --dtype)")
 
