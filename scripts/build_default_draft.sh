@@ -32,8 +32,8 @@ mkdir -p "$WORK"
 
 # 1. the target's states at the tapped layers for every answer, in bf16, with its top 32 tokens after every position
 #    (7% more disk; what a distillation arm, --distill, reads). A new folder is made by the default runtime (the
-#    int4 one: the states the draft sees when it serves, 1.45x faster than hf on an AVX2 EPYC, ~0.56 s an answer
-#    on 2 threads); a folder keeps the runtime it was started with
+#    int4 one: the states the draft sees when it serves, and faster than hf); a folder keeps the runtime it was
+#    started with
 dflash features --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --num-target-features "$FEATURES" \
     --max-length 1536 --distill-topk 32 --feature-dtype bfloat16 --threads "$THREADS"
 

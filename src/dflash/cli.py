@@ -95,11 +95,11 @@ def _template_option(p) -> None:
                    "how the draft's training answers were written")
 
 
-def _runtime_option(p) -> None:
+def _runtime_option(p, default: str | None = "auto", default_help: str = "") -> None:
     from .fast import RUNTIMES
 
-    p.add_argument("--runtime", choices=RUNTIMES, default="auto",
-                   help="target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 / fast-int4 = "
+    p.add_argument("--runtime", choices=RUNTIMES, default=default,
+                   help=default_help + "target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 / fast-int4 = "
                    "the same with weight-only int8 / 4-bit (groups of 32, like GGUF Q4_1) linear layers (a quantised "
                    "target), -compile = decode and verify steps through torch.compile, hf = the model's own; auto = "
                    "fast-int4 for a model shipped as a 4-bit GGUF (Q4_0/Q4_1, bf16 on a CPU with dflash's int4 "
@@ -332,14 +332,10 @@ def _train_parsers(sub, fmt):
     fe.add_argument("--feature-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="dtype the features are stored in (default: the target's); bfloat16 halves the disk an "
                     "fp32 target's cache takes, and training reads them back in the target's dtype")
-    from .fast import RUNTIMES
-
-    fe.add_argument("--runtime", choices=RUNTIMES, default=None,
-                    help="target forward that computes them (the names of `dflash generate --runtime`); default: "
-                    "the one a folder was started with, and `auto` for a new folder, i.e. the features the draft "
-                    "will see beside the default runtime (for the default 4-bit GGUF: the int4 runtime, about 1.45x "
-                    "faster than hf on an AVX2 CPU); hf = the model's own forward, what training without --features "
-                    "runs (in --dtype)")
+    _runtime_option(fe, default=None, default_help=(
+        "the forward that computes the features; default: the one a folder was started with, and auto for a new "
+        "folder, i.e. the features the draft will see beside the default runtime (for the default 4-bit GGUF: the "
+        "int4 runtime, faster than hf on a CPU); hf is what training without --features runs (in --dtype). "))
 
 
 def _train_config(args):

@@ -311,11 +311,17 @@ def target_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, logp
 
 
-def feature_runtime(folder) -> str | None:
-    """The runtime that made the features in `folder` (None: no features there yet). Folders from before the
-    manifest named it were made by the model's own forward."""
+def _feature_manifest(folder) -> dict | None:
+    """The manifest of the features in `folder` (None: no features there yet). Folders from before the manifest
+    named the runtime were made by the model's own forward."""
     mpath = Path(folder) / "manifest.json"
-    return json.loads(mpath.read_text()).get("runtime", "hf") if mpath.is_file() else None
+    return {"runtime": "hf", **json.loads(mpath.read_text())} if mpath.is_file() else None
+
+
+def feature_runtime(folder) -> str | None:
+    """The runtime that made the features in `folder` (None: no features there yet)."""
+    manifest = _feature_manifest(folder)
+    return manifest and manifest["runtime"]
 
 
 def compute_features(target, records, layer_ids, output, *, max_length, dtype, chunk=64, progress=True,
@@ -339,16 +345,14 @@ def compute_features(target, records, layer_ids, output, *, max_length, dtype, c
                 "chunk": chunk, "max_length": max_length, "dtype": dtype, "runtime": runtime}
     if distill_topk:
         manifest["distill_topk"] = distill_topk
-    mpath = out / "manifest.json"
-    if mpath.is_file():
-        old = json.loads(mpath.read_text())
-        old.setdefault("runtime", "hf")
+    old = _feature_manifest(out)
+    if old is not None:
         if old != manifest:
             diff = ", ".join(f"{k} {old.get(k)!r} (asked: {manifest.get(k)!r})" for k in sorted({*old, *manifest})
                              if old.get(k) != manifest.get(k))
             raise DFlashError(f"{out} holds features made with other settings: {diff}; use another folder")
     else:
-        atomic_write_text(mpath, json.dumps(manifest, indent=2) + "\n")
+        atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     adapter = None if runtime == "hf" else make_adapter(target, list(layer_ids), runtime)
     todo = [s for s in range(0, len(records), chunk) if not (out / f"features-{s:07d}.safetensors").is_file()]
     bar = tqdm(total=len(records), initial=len(records) - sum(min(chunk, len(records) - s) for s in todo),
