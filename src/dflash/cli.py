@@ -335,7 +335,8 @@ def _train_parsers(sub, fmt):
     _runtime_option(fe, default=None, default_help=(
         "the forward that computes the features; default: the one a folder was started with, and auto for a new "
         "folder, i.e. the features the draft will see beside the default runtime (for the default 4-bit GGUF: the "
-        "int4 runtime, faster than hf on a CPU); hf is what training without --features runs (in --dtype). "))
+        "int4 runtime, faster than hf on a CPU: benchmarks/features_runtimes.py); hf is what training without "
+        "--features runs (in --dtype). "))
 
 
 def _train_config(args):
