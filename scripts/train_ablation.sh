@@ -12,25 +12,27 @@
 #   dflash features --data data/smollm2-135m-instruct/first --features runs/features/first --num-target-features 3 \
 #       --max-length 1536 --distill-topk 32 --threads 1
 #
-# Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers;
-# r2 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights);
-# r6 128 anchors per sequence; r7 lr 1e-3; r8 half the loss from the target's own distribution (--distill); r9 as
-# many key/value heads as attention heads (the target has 3 of 9, so each context position reaches a layer through
-# 192 of its 576 dimensions); r10 4 sequences of 64 anchors a step instead of one of up to 512 (about the same blocks
-# a step, 4x the sequences: the anchors of one answer share most of their context, so their gradients are alike;
+# Arms: r0 the baseline (1 layer, block 8, every answer position an anchor, fresh layers, lr 6e-4); r1 2 layers; r2
+# 3 layers; r3 layers copied from the target's last ones; r4 block 16; r5 gamma 7 (flatter slot weights); r6 128
+# anchors per sequence; r7 lr 1e-3; r8 half the loss from the target's own distribution (--distill); r9 as many
+# key/value heads as attention heads (the target has 3 of 9, so each context position reaches a layer through 192 of
+# its 576 dimensions); r10 4 sequences of 64 anchors a step instead of one of up to 512 (about the same blocks a
+# step, 4x the sequences: the anchors of one answer share most of their context, so their gradients are alike;
 # without FEATURES each step runs the target 4 times); r11 8 sequences of 32 anchors a step; r12 r10 with r9's
-# heads; r13 r12 with 2 layers; r14 16 sequences of 16 anchors; r15 r11 with r9's heads; r16 r15 with 2
-# layers; r17 r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm); r19 r15 with its layer
-# copied from the target's last; r20 r15 with r8's distillation; r21 r15 with 3 layers. e0 is the EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8,
-# 128 anchors a sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the
-# comparison at equal compute.
+# heads; r13 r12 with 2 layers; r14 16 sequences of 16 anchors; r15 r11 with r9's heads; r16 r15 with 2 layers; r17
+# r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm); r19 r15 with its layer copied from
+# the target's last; r20 r15 with r8's distillation; r21 r15 with 3 layers; r22 r21 grown from the shipped draft
+# (its trained layer, then two that start as the identity: a second stage that reuses the first's hours; the shipped
+# draft saw these answers too, but the evaluation is on test prompts). e0 is the EAGLE-3-style peer on the same
+# data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a sequence as its build script trains
+# it): give it the hours a DFlash arm took (HOURS=...) for the comparison at equal compute.
 #
 # DATA="folder ..." trains on other data (default: the first 3104 answers); FEATURES then names one cache for all,
 # or one per DATA folder, space-separated; OUT=folder keeps such a run apart from the arm's (runs/train/ARM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r21, e0}"
+ARM="${1:?name an arm: r0..r22, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -67,6 +69,8 @@ case "$ARM" in
     r19) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --init-from-target) ;;
     r20) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --distill 0.5) ;;
     r21) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3) ;;
+    r22) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3
+                --init-draft src/dflash/drafts/smollm2-135m-instruct) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
