@@ -23,16 +23,18 @@
 # r15 with gamma 7; r18 r15 trained at block 16 (evaluated at 8, as every arm); r19 r15 with its layer copied from
 # the target's last; r20 r15 with r8's distillation; r21 r15 with 3 layers; r22 r21 grown from the shipped draft
 # (its trained layer, then two that start as the identity: a second stage that reuses the first's hours; the shipped
-# draft saw these answers too, but the evaluation is on test prompts). e0 is the EAGLE-3-style peer on the same
-# data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a sequence as its build script trains
-# it): give it the hours a DFlash arm took (HOURS=...) for the comparison at equal compute.
+# draft saw these answers too, but the evaluation is on test prompts); r23 r22 with r20's distillation; r24 r15
+# reading 5 target layers instead of 3 (its FEATURES cache made with --num-target-features 5). e0 is the
+# EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a
+# sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the comparison at
+# equal compute.
 #
 # DATA="folder ..." trains on other data (default: the first 3104 answers); FEATURES then names one cache for all,
 # or one per DATA folder, space-separated; OUT=folder keeps such a run apart from the arm's (runs/train/ARM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r22, e0}"
+ARM="${1:?name an arm: r0..r24, e0}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -43,7 +45,7 @@ CACHE=()
 [ -n "${FEATURES:-}" ] && CACHE=(--features $FEATURES)  # one folder, or one per DATA folder (space-separated)
 # COMPILE=1: the training step through torch.compile (the same training, faster steps; the table says which ran so)
 [ -n "${COMPILE:-}" ] && CACHE+=(--compile)
-case "$ARM" in r8|r20) [ -n "${FEATURES:-}" ] && CACHE+=(--distill-topk 32) ;; esac
+case "$ARM" in r8|r20|r23) [ -n "${FEATURES:-}" ] && CACHE+=(--distill-topk 32) ;; esac
 # a fixed set (a resumed run must see the same data): the committed greedy answers to the first 3104 prompts
 DATA="${DATA:-data/smollm2-135m-instruct/first}"
 case "$ARM" in
@@ -71,6 +73,9 @@ case "$ARM" in
     r21) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3) ;;
     r22) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3
                 --init-draft src/dflash/drafts/smollm2-135m-instruct) ;;
+    r23) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3
+                --init-draft src/dflash/drafts/smollm2-135m-instruct --distill 0.5) ;;
+    r24) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-target-features 5) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
