@@ -22,21 +22,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash.config import default_target_layer_ids
 from dflash.dataset import read_dataset
 from dflash.fast import RUNTIMES, resolve_runtime
 from dflash.loading import DEFAULT_MODEL, load_target
 from dflash.machine import hardware
-from dflash.train import compute_features
-
-
-def _read(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("features-*.safetensors")):
-        out.update(load_file(f))
-    return out
+from dflash.train import FeatureStore, compute_features
 
 
 def main():
@@ -78,20 +70,22 @@ def main():
             compute_features(target, records, layer_ids, folder, max_length=args.max_length, dtype="float32",
                              distill_topk=args.topk, runtime=r, progress=False)
             seconds[name] = time.perf_counter() - t
-            made[name] = _read(folder)
+            store = FeatureStore(folder)
+            made[name] = [(store.get(i), store.get_topk(i)[0]) for i in range(len(records))]
 
     ref_name = next(iter(made))
-    ref = made[ref_name]
+    ref = made[ref_name]  # per record: (states [T, F*H], top-k ids [T, K])
     rows = {}
     for name, got in made.items():
-        diff = [((got[str(i)] - ref[str(i)]).norm() / ref[str(i)].norm()).item() for i in range(len(records))]
-        agree = sum((got[f"{i}.ids"][:, 0] == ref[f"{i}.ids"][:, 0]).sum().item() for i in range(len(records)))
+        diff = [((g - r).norm() / r.norm()).item() for (g, _), (r, _) in zip(got, ref)]
+        agree = sum((g[:, 0] == r[:, 0]).sum().item() for (_, g), (_, r) in zip(got, ref))
         rows[name] = {"seconds": round(seconds[name], 2), "tokens_per_s": round(tokens / seconds[name], 1),
                       "speedup": round(seconds[ref_name] / seconds[name], 3),
                       "median_relative_difference": round(statistics.median(diff), 5),
                       "top1_agreement": round(agree / tokens, 4)}
     print(f"{len(records)} answers, {tokens} tokens, layers {layer_ids}, {torch.get_num_threads()} threads")
-    print(f"{'runtime':24s} {'seconds':>8s} {'tok/s':>8s} {'speed-up':>9s} {'median rel. diff':>17s} {'top-1 same':>11s}")
+    print(f"{'runtime':24s} {'seconds':>8s} {'tok/s':>8s} {'speed-up':>9s} {'median rel. diff':>17s} "
+          f"{'top-1 same':>11s}")
     for name, row in rows.items():
         print(f"{name:24s} {row['seconds']:8.1f} {row['tokens_per_s']:8.1f} {row['speedup']:8.2f}x "
               f"{row['median_relative_difference']:17.4f} {row['top1_agreement']:11.3f}")

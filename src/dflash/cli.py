@@ -99,7 +99,8 @@ def _runtime_option(p, default: str | None = "auto", default_help: str = "") -> 
     from .fast import RUNTIMES
 
     p.add_argument("--runtime", choices=RUNTIMES, default=default,
-                   help=default_help + "target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), fast-int8 / fast-int4 = "
+                   help=default_help + "target forward: fast = our lean path (Llama, Qwen2, Qwen3, Mistral), "
+                   "fast-int8 / fast-int4 = "
                    "the same with weight-only int8 / 4-bit (groups of 32, like GGUF Q4_1) linear layers (a quantised "
                    "target), -compile = decode and verify steps through torch.compile, hf = the model's own; auto = "
                    "fast-int4 for a model shipped as a 4-bit GGUF (Q4_0/Q4_1, bf16 on a CPU with dflash's int4 "

@@ -191,10 +191,9 @@ class FeatureStore:
 
     def __init__(self, folder):
         self.folder = Path(folder)
-        path = self.folder / "manifest.json"
-        if not path.is_file():
+        self.manifest = _feature_manifest(folder)
+        if self.manifest is None:
             raise DFlashError(f"no features manifest in {folder} (run `dflash features` first)")
-        self.manifest = json.loads(path.read_text())
         self.chunk = self.manifest["chunk"]
         self._shards: dict[int, object] = {}  # open shards, read one record at a time
 
