@@ -48,6 +48,10 @@ def main():
     ap.add_argument("--data-dir", default=None, help="None = $DFLASH_DATA_DIR")
     ap.add_argument("--repeats", type=int, default=1, help="times each prompt runs (every method, each time)")
     ap.add_argument("--out", default=None, help="folder for results.json and vs_llama_cpp.png")
+    ap.add_argument("--no-llama-extra-bufts", action="store_true",
+                    help="load the GGUF without llama.cpp's extra CPU buffer types (its AMX and repacked-weight "
+                         "kernels): on an AMX Xeon (llama-cpp-python 0.3.36) the AMX one crashed at the second "
+                         "decode; llama.cpp then runs its AVX-512 VNNI dot products")
     ap.add_argument("--runtimes", default="fast,fast-int4",
                     help="our runtimes to run (fast = bf16; fast-int4 = the Q4_1 grid, close to what llama.cpp runs)")
     args = ap.parse_args()
@@ -71,9 +75,7 @@ def main():
             methods[f"ours dflash-tree-adaptive {rt}"] = lambda ids, kw=kw: spec_generate(
                 target, draft, torch.tensor([ids]), tree_budget="auto", **kw)
     try:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=gguf, n_threads=args.threads, n_ctx=4096, verbose=False)
+        llm = llama(gguf, args.threads, extra_bufts=not args.no_llama_extra_bufts)
 
         def llama_cpp(ids):
             return llm.create_completion(ids, max_tokens=n, temperature=0.0, top_k=1)
@@ -103,6 +105,7 @@ def main():
                     runs[m].append((d, count / seconds, count))
                 turn += 1
     report = {"model": gguf, "draft": str(draft_path), "hardware": hardware(), "threads": args.threads,
+              "llama_cpp_extra_bufts": not args.no_llama_extra_bufts,
               "max_new_tokens": n, "prompts": len(encoded), "repeats": args.repeats,
               "compile_seconds": compile_seconds(target), "datasets": {}}
     for d in (*sets, "all"):
@@ -122,6 +125,26 @@ def main():
         if LLAMA_CPP in methods:
             plot(report, out / "vs_llama_cpp.png")
     print(json.dumps({k: v for k, v in report.items() if k != "new_tokens"}))
+
+
+def llama(gguf: str, threads: int, extra_bufts: bool):
+    """llama.cpp on the GGUF; extra_bufts=False loads it as `use_extra_bufts=false` does, which Llama() takes no
+    argument for: its model parameters come from llama_model_default_params, replaced for this one call."""
+    import llama_cpp.llama as api
+    from llama_cpp import Llama
+
+    default = api.llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = extra_bufts
+        return p
+
+    api.llama_cpp.llama_model_default_params = params
+    try:
+        return Llama(model_path=gguf, n_threads=threads, n_ctx=4096, verbose=False)
+    finally:
+        api.llama_cpp.llama_model_default_params = default
 
 
 def table(report: dict) -> str:

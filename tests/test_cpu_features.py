@@ -34,6 +34,19 @@ def test_an_avx2_limit_hides_every_later_extension_from_dflash(avx2_only):
     assert "limited to AVX2" in machine.hardware("cpu")
 
 
+def test_an_avx_vnni_limit_keeps_avx_vnni_alone(monkeypatch):
+    # an AVX-512 machine with AVX-VNNI then runs the int4 build an Alder Lake-class CPU runs
+    monkeypatch.setenv("DFLASH_MAX_CPU_ISA", "avx_vnni")
+    flags = machine.cpu_flags()
+    if flags is None:
+        pytest.skip("this system does not list CPU flags (/proc/cpuinfo)")
+    assert not any(f.startswith(("avx512", "amx", "avx_ne_convert", "avx_vnni_int8")) for f in flags)
+    assert ("avx_vnni" in flags) == ("avx_vnni" in machine.cpuinfo("flags").split())
+    expected = "avx_vnni" if "avx_vnni" in flags else "avx2"
+    assert kernels.int4_build() in (None, expected)
+    assert "limited to AVX2 and AVX-VNNI" in machine.hardware("cpu")
+
+
 def test_a_bad_isa_limit_is_named(monkeypatch):
     monkeypatch.setenv("DFLASH_MAX_CPU_ISA", "avx9")
     with pytest.raises(DFlashConfigError, match="DFLASH_MAX_CPU_ISA='avx9'"):

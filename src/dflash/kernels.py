@@ -293,8 +293,8 @@ def cache_attention_kernel() -> bool:
     """Whether the CPU's decode and verify attention runs on dflash's kernel (`csrc/cache_attention.cpp`): each
     cached key and value read once for all the queries and heads that share it, from a cache in the model's
     dtype, and every query computed alike whatever else is in the step (see the source). Built on first use for
-    this CPU (-march=native, or AVX2 under DFLASH_MAX_CPU_ISA=avx2). DFLASH_ATTENTION_KERNEL=torch keeps
-    PyTorch's SDPA."""
+    this CPU (-march=native, or AVX2 under DFLASH_MAX_CPU_ISA=avx2 or avx_vnni: it has no integer products).
+    DFLASH_ATTENTION_KERNEL=torch keeps PyTorch's SDPA."""
     if os.environ.get("DFLASH_ATTENTION_KERNEL", "auto") == "torch":
         return False
     problem = _attention_build()
@@ -320,7 +320,7 @@ def _attention_build() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"no build for {platform.machine()} yet"
     isa = max_cpu_isa()
-    arch = ["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-march=native"]
+    arch = ["-march=native"] if isa == "native" else ["-mavx2", "-mfma", "-mf16c"]
     # -fno-trapping-math: loops with selects (SiLU, exp, rounding) vectorise; no value changes (no reassociation)
     flags = ["-O3", "-fopenmp", "-fno-trapping-math", *arch]
     # -march=native code is for this CPU only: its build folder is named by the CPU's flags

@@ -5,7 +5,9 @@ loaders can all ask it.
 
 `DFLASH_MAX_CPU_ISA=avx2` makes dflash treat the CPU as one without AVX-512, AMX, AVX-VNNI or AVX-NE-CONVERT
 (the extensions its kernel choices depend on), as oneDNN's `ONEDNN_MAX_CPU_ISA` does for oneDNN: an AVX-512
-machine then takes, and tests, the code paths an AVX2-only CPU takes. PyTorch's own kernels are not affected.
+machine then takes, and tests, the code paths an AVX2-only CPU takes. `DFLASH_MAX_CPU_ISA=avx_vnni` keeps AVX-VNNI
+and hides the rest, as on Intel's client CPUs from Alder Lake on (oneDNN's AVX2_VNNI). PyTorch's own kernels are
+not affected.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 
 from .errors import DFlashConfigError
 
-MAX_CPU_ISA = ("native", "avx2")
-# the flags an "avx2" machine lacks: every extension past AVX2 that a dflash kernel choice asks about
-_BEYOND_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_vnni_int8")
+MAX_CPU_ISA = ("native", "avx2", "avx_vnni")
+# the flags each limit hides: every extension past it that a dflash kernel choice asks about
+_BEYOND = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_vnni_int8"),
+           "avx_vnni": ("avx512", "amx", "avx_ne_convert", "avx_vnni_int8")}
 
 
 def dflash_home() -> Path:
@@ -56,8 +59,8 @@ def _cpu_flags(isa: str) -> frozenset[str] | None:
     if flags is None:
         return None
     found = frozenset(flags.split())
-    if isa == "avx2":
-        found = frozenset(f for f in found if not f.startswith(_BEYOND_AVX2))
+    if isa in _BEYOND:
+        found = frozenset(f for f in found if not f.startswith(_BEYOND[isa]))
     return found
 
 
@@ -147,5 +150,6 @@ def hardware(device: torch.device | str | None = None) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     name = cpuinfo("model name") or platform.processor() or platform.machine()
-    masked = ", dflash limited to AVX2 by DFLASH_MAX_CPU_ISA" if max_cpu_isa() == "avx2" else ""
+    limit = {"avx2": "AVX2", "avx_vnni": "AVX2 and AVX-VNNI"}.get(max_cpu_isa())
+    masked = f", dflash limited to {limit} by DFLASH_MAX_CPU_ISA" if limit else ""
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}{masked})"
