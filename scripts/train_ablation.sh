@@ -27,14 +27,14 @@
 # reading 5 target layers instead of 3 (its FEATURES cache made with --num-target-features 5). e0 is the
 # EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a
 # sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the comparison at
-# equal compute.
+# equal compute; e1 is e0 reading r24's 5 target layers (r24's cache), its peer at equal hours.
 #
 # DATA="folder ..." trains on other data (default: the first 3104 answers); FEATURES then names one cache for all,
 # or one per DATA folder, space-separated; OUT=folder keeps such a run apart from the arm's (runs/train/ARM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r24, e0}"
+ARM="${1:?name an arm: r0..r24, e0, e1}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -77,6 +77,7 @@ case "$ARM" in
                 --init-draft src/dflash/drafts/smollm2-135m-instruct --distill 0.5) ;;
     r24) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-target-features 5) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
+    e1) EXTRA=(--method eagle3 --num-anchors 128 --num-target-features 5) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2086
