@@ -93,6 +93,19 @@ def test_topk_hit_rates_grow_with_k_and_reach_one_at_the_whole_vocabulary():
     assert share * split["copy"][0] + (1 - share) * split["novel"][0] == pytest.approx(rates["1"][0])
 
 
+def test_an_eagle_draft_is_evaluated_without_the_block_slots_top_k():
+    # teacher-forced top-k reads one block forward's slots, which a chain drafter has not: its τ is measured, the
+    # top-k is skipped with a warning instead of failing inside the draft's layers
+    from dflash.eagle import Eagle3DraftModel
+
+    target = tiny_target("llama", seed=2)
+    draft = Eagle3DraftModel.from_target(target, block_size=4)
+    with pytest.warns(UserWarning, match="EAGLE-3-style"):
+        res = evaluate_draft(target, draft, {"a": [[5, 6, 7, 8, 9]]}, EvalConfig(max_new_tokens=12, topk=[1, 2]),
+                             progress=False)
+    assert res["datasets"]["a"]["steps"] > 0 and "topk_hits" not in res["datasets"]["a"]
+
+
 def test_copyable_tokens_are_those_prompt_lookup_guesses_from_the_text_before():
     from dflash.evaluate import copyable
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from .eagle import Eagle3DraftModel
 from .io import atomic_write_text, save_png
 from .kernels import linear
 
@@ -71,6 +73,12 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
 
     B = _resolve_block_size(draft, cfg.block_size, None)
     stops = default_stop_token_ids(target)
+    topk = cfg.topk
+    if topk and isinstance(draft, Eagle3DraftModel):
+        # the teacher-forced slots are those of one block forward, [anchor, MASK...]: a chain drafter has none
+        warnings.warn("evaluate: --topk counts a DFlash draft's block slots; skipped for an EAGLE-3-style draft",
+                      stacklevel=2)
+        topk = None
     was_training = draft.training
     draft.eval()
     results = {}
@@ -94,8 +102,8 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
             hist[n - 1] += 1
         results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "slot_acceptance": slot_acceptance(lengths, B),
                          "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts)}
-        if cfg.topk:
-            results[name]["topk_hits"], results[name]["copy_split"] = topk_hits(target, draft, texts, cfg.topk, B)
+        if topk:
+            results[name]["topk_hits"], results[name]["copy_split"] = topk_hits(target, draft, texts, topk, B)
     bar.close()
     if was_training:
         draft.train()
