@@ -24,7 +24,8 @@
 # the target's last; r20 r15 with r8's distillation; r21 r15 with 3 layers; r22 r21 grown from the shipped draft
 # (its trained layer, then two that start as the identity: a second stage that reuses the first's hours; the shipped
 # draft saw these answers too, but the evaluation is on test prompts); r23 r22 with r20's distillation; r24 r15
-# reading 5 target layers instead of 3 (its FEATURES cache made with --num-target-features 5). e0 is the
+# reading 5 target layers instead of 3 (its FEATURES cache made with --num-target-features 5); r25 r24 with 5
+# layers (the published drafts' shape: 5 layers reading 5 target layers). e0 is the
 # EAGLE-3-style peer on the same data, features and evaluation (a chain of 7 at verify width 8, 128 anchors a
 # sequence as its build script trains it): give it the hours a DFlash arm took (HOURS=...) for the comparison at
 # equal compute; e1 is e0 reading r24's 5 target layers (r24's cache), its peer at equal hours.
@@ -34,7 +35,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
-ARM="${1:?name an arm: r0..r24, e0, e1}"
+ARM="${1:?name an arm: r0..r25, e0, e1}"
 THREADS="${THREADS:-1}"
 HOURS="${HOURS:-2}"
 # STEPS=N: a budget of N steps instead of HOURS (equal compute where the machine's speed drifts)
@@ -76,6 +77,7 @@ case "$ARM" in
     r23) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-layers 3
                 --init-draft src/dflash/drafts/smollm2-135m-instruct --distill 0.5) ;;
     r24) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-target-features 5) ;;
+    r25) EXTRA=(--num-anchors 32 --batch-size 8 --num-kv-heads 9 --num-target-features 5 --num-layers 5) ;;
     e0) EXTRA=(--method eagle3 --num-anchors 128) ;;
     e1) EXTRA=(--method eagle3 --num-anchors 128 --num-target-features 5) ;;
     *) echo "train_ablation.sh: unknown arm $ARM" >&2; exit 2 ;;
