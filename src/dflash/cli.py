@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     _measure_options(ev, "gsm8k,mbpp,humaneval,mt-bench", 40, 128)
     ev.add_argument("--batch-size", type=_int_at_least(1), default=8, help="prompts decoded together")
     ev.add_argument("--topk", default="1,2,4", help="also count, per slot, how often the target's token is among the "
-                    "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip; DFlash drafts only)")
+                    "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip; DFlash "
+                    "drafts only)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
     _lookup_option(ev, False)
     _template_option(ev)
