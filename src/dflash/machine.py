@@ -22,9 +22,10 @@ import torch
 from .errors import DFlashConfigError
 
 MAX_CPU_ISA = ("native", "avx2", "avx_vnni")
-# the flags each limit hides: every extension past it that a dflash kernel choice asks about
-_BEYOND = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_vnni_int8"),
-           "avx_vnni": ("avx512", "amx", "avx_ne_convert", "avx_vnni_int8")}
+# the flag prefixes each limit hides: every extension past it that a dflash kernel choice asks about ("avx_vnni"
+# also covers "avx_vnni_int8")
+_PAST_AVX_VNNI = ("avx512", "amx", "avx_ne_convert", "avx_vnni_int8")
+_BEYOND = {"avx2": (*_PAST_AVX_VNNI, "avx_vnni"), "avx_vnni": _PAST_AVX_VNNI}
 
 
 def dflash_home() -> Path:
