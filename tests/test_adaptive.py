@@ -161,8 +161,9 @@ def test_the_controller_prices_a_step_without_the_context_that_earlier_steps_lef
     seen = []
     observe = WidthController.observe
     monkeypatch.setattr(WidthController, "observe",
-                        lambda self, acc, w, tokens, seconds, *a: (seen.append(seconds), observe(self, acc, w, tokens,
-                                                                                                 seconds, *a))[1])
+                        lambda self, acc, w, tokens, seconds, *a, **kw: (seen.append(seconds),
+                                                                         observe(self, acc, w, tokens, seconds, *a,
+                                                                                 **kw))[1])
     out = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], adaptive_width=True,
                         return_stats=True)
     assert out.width_counts[1] < out.num_steps  # drafted steps, each after a write
@@ -300,3 +301,121 @@ def test_a_run_of_plain_steps_writes_the_draft_context_once(monkeypatch):
     assert torch.equal(out.sequences, ar)
     # one write per draft forward (the prompt's, then each run of plain steps'), not one per step
     assert calls["write"] <= calls["propose"] + 1 < out.num_steps
+
+
+def step_cost(width, drafted):
+    """cpu_step's costs, with the draft's forward wherever it ran (a trimmed step may verify only its anchor)"""
+    return 0.0042 + 0.0007 * width + (0.0026 if drafted else 0.0)
+
+
+def warmed(trims: bool) -> WidthController:
+    """A controller past its first steps, with every width's cost measured"""
+    ctrl = WidthController(8)
+    for w in range(1, 9):
+        for _ in range(3):
+            ctrl.observe([0], w, w, step_cost(w, w > 1))
+    ctrl.cold_start, ctrl.trims = [], trims
+    return ctrl
+
+
+def test_a_drafted_step_verifies_as_far_as_the_drafts_probabilities_say_pays():
+    ctrl = warmed(trims=True)
+    ctrl.hit[1:], ctrl.reached[1:] = [90.0] * 7, [100.0] * 7  # drafting pays: the step proposes a whole block
+
+    def step(probs):
+        assert ctrl.choose(len(probs)) == 8
+        return ctrl.trim(probs, 8)
+
+    assert step([[0.95] * 7]) == 8
+    assert step([[0.02] * 7]) == 1  # sure of nothing: the step verifies its anchor alone
+    assert step([[0.95, 0.95, 0.02, 0.95, 0.95, 0.95, 0.95]]) == 3  # not past the slot it doubts
+    # two rows: the confident one carries the step, its slots priced for both
+    assert step([[0.95] * 7, [0.02] * 7]) > 1
+    assert sum(ctrl.width_counts) == 4 and ctrl.width_counts[1] == 1 and ctrl.width_counts[8] >= 1
+    # the cold start's shapes are measured as chosen
+    cold = WidthController(8)
+    cold.trims = True
+    assert cold.choose(1) == 2 and cold.trim([[0.01]], 2) == 2
+
+
+def test_trimmed_slots_count_as_reached_with_the_drafts_probabilities():
+    ctrl = warmed(trims=True)
+    ctrl.hit[:], ctrl.reached[:] = [0.0] * 8, [0.0] * 8
+    ctrl.choose(1)
+    v = ctrl.trim([[0.9, 0.05, 0.5, 0.5, 0.5, 0.5, 0.5]], 8)
+    assert v == 2
+    ctrl.observe([1], v, v, step_cost(v, True), drafted=True)  # slot 1 verified and accepted
+    d = ctrl.decay
+    assert ctrl.reached[1] == pytest.approx(1.0) and ctrl.hit[1] == pytest.approx(1.0)
+    # slot 2 would have been verified and accepted with the draft's 0.05; slot 3 reached that often, and so on
+    assert ctrl.reached[2] == pytest.approx(1.0) and ctrl.hit[2] == pytest.approx(0.05)
+    assert ctrl.reached[3] == pytest.approx(0.05) and ctrl.hit[3] == pytest.approx(0.025)
+    # a row rejected inside what it verified reaches nothing past it
+    ctrl.choose(1)
+    v = ctrl.trim([[0.9, 0.05, 0.5, 0.5, 0.5, 0.5, 0.5]], 8)
+    ctrl.observe([0], v, v, step_cost(v, True), drafted=True)
+    assert ctrl.reached[2] == pytest.approx(d)
+
+
+def test_trimming_by_calibrated_probabilities_beats_the_slot_rates_alone():
+    # a draft that is sure and right (60% of its slots), or unsure and mostly wrong, its probabilities calibrated:
+    # the rates alone see a middling draft and verify about the same width every step; trimmed, a step verifies as
+    # far as this block's probabilities say, and the controller commits more tokens per second
+    def run(trims, seed):
+        rng = random.Random(seed)
+        ctrl = WidthController(8)
+        ctrl.trims = trims
+        tokens, seconds = 0, 0.0
+        for _ in range(256):
+            w = ctrl.choose(1)
+            probs = [0.97 if rng.random() < 0.6 else 0.1 for _ in range(w - 1)]
+            v = ctrl.trim([probs], w) if trims else w
+            a = 0
+            while a < v - 1 and rng.random() < probs[a]:
+                a += 1
+            cost = step_cost(v, w > 1)
+            ctrl.observe([a], v, v, cost, drafted=w > 1)
+            tokens, seconds = tokens + a + 1, seconds + cost
+        return tokens / seconds
+
+    gains = sorted(run(True, seed) / run(False, seed) for seed in range(16))
+    # (an unlucky start, its first trimmed steps all unsure, can leave a seed plain for a while)
+    assert gains[8] > 1.15 and gains[4] > 1.1 and gains[0] > 0.8
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_any_trim_reproduces_greedy_decoding(arch, monkeypatch):
+    """Drafted steps cut to random widths (1 = the anchor alone, after the draft ran) change nothing in the
+    output, in generate and in the engine, over a ragged batch."""
+    from dflash.engine import EngineConfig, LLMEngine
+
+    target = tiny_target(arch, seed=2)
+    ids, mask = ragged_batch([5, 10, 3], seed=6)
+    ar = ar_generate(target, ids, mask, max_new_tokens=20, stop_token_ids=[])
+    rng = random.Random(1)
+    seen = []
+
+    def any_trim(self, probs, width):
+        assert len(probs[0]) == width - 1 and all(0.0 <= p <= 1.0 for row in probs for p in row)
+        seen.append(width)
+        v = rng.randint(1, width)
+        self.width_counts[width] -= 1
+        self.width_counts[v] += 1
+        return v
+
+    monkeypatch.setattr(WidthController, "trim", any_trim)
+    futures = [ids[i][mask[i].bool()].tolist() + ar[i, ids.shape[1]:].tolist() for i in range(3)]
+    for B in (4, 8):
+        base = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
+        draft = OracleDraft(base, futures, corrupt=0.2, seed=B)
+        out = spec_generate(target, draft, ids, mask, max_new_tokens=20, stop_token_ids=[], return_stats=True,
+                            adaptive_width=True)
+        assert torch.equal(out.sequences, ar), (arch, B)
+        assert sum(out.width_counts) == out.num_steps
+        engine = LLMEngine(target, None, base, EngineConfig(max_batch_size=4, block_size=B))
+        engine.stop_token_ids = []
+        seqs = [engine.add_request(ids[i][mask[i].bool()].tolist(), max_tokens=20) for i in range(3)]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == [ar[i, ids.shape[1]:].tolist() for i in range(3)], (arch, B)
+    assert seen  # the trims ran

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash import DFlashDraftModel, stream_generate
+from dflash import DFlashDraftModel, generate, stream_generate
+from dflash import engine as engine_mod
 from dflash.engine import EngineConfig, LLMEngine
 from dflash.fast import FastTargetAdapter
 from tiny import ragged_batch, tiny_target
@@ -44,7 +45,11 @@ def counting(monkeypatch):
         yield counter
 
 
-def test_a_generate_step_reads_back_once(monkeypatch):
+@pytest.mark.parametrize("trims", [False, True])
+def test_a_generate_step_reads_back_once(monkeypatch, trims):
+    """Once per step where the adaptive width does not trim drafted steps (off the CPU); where it does, a drafted
+    step reads the draft's probabilities too."""
+    monkeypatch.setattr(generate, "trims_pay", lambda device: trims)
     target = tiny_target("llama", seed=3)
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
     ids, mask = ragged_batch([6, 9, 4], seed=2)
@@ -55,12 +60,16 @@ def test_a_generate_step_reads_back_once(monkeypatch):
         for _ in stream:
             per_step.append(counter.count)
             counter.count = 0
+    if trims:
+        assert len(per_step) > 5 and max(per_step) <= 3 and 2 in per_step, per_step
+        return
     assert len(per_step) > 5 and per_step.count(1) >= len(per_step) - 2, per_step  # a compaction may read one more
     assert max(per_step) <= 2, per_step
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_an_engine_decode_step_reads_back_once(monkeypatch, with_draft):
+    monkeypatch.setattr(engine_mod, "trims_pay", lambda device: False)  # as off the CPU (see the test above)
     target = tiny_target("qwen3", seed=3)
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4) if with_draft else None
     engine = LLMEngine(target, None, draft, EngineConfig(max_batch_size=4))

@@ -15,6 +15,12 @@ step, the width with the most expected committed tokens per second, from what it
   blocks would spread over the widths between and so make narrow blocks look cheap; and the verify cost on a
   CPU is not quite linear, which the measured shapes correct).
 
+Then, once the draft has run, `trim` cuts the step to the proposals worth verifying by the draft's own
+probabilities (calibrated in a trained draft): the rates above say whether drafting pays on average, the
+probabilities say how far this one block is worth checking. Drafted steps then propose the whole block (the
+draft's forward costs about the same at any width) and verify from 1 token (the draft was unsure of all of
+them) to all of them.
+
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
 much worse than decoding without a draft. While the choice is narrow, twice that width (from plain decoding,
 the width drafting would take) is verified now and then to keep measuring the slots past it, less and less
@@ -25,6 +31,8 @@ keeps the output exact: the verify rule does not depend on how many proposals ar
 from __future__ import annotations
 
 import itertools
+
+import torch
 
 
 class WidthController:
@@ -41,11 +49,22 @@ class WidthController:
         self.probed_from: int | None = None  # the width chosen before the last probe widened it
         self.reached = [0.0] * block_size  # index k: slot k verified after 1..k-1 hit
         self.hit = [0.0] * block_size
-        # (rows, width, the draft ran) -> [EMA seconds, weight]
+        # (rows, width, the draft ran) -> [EMA seconds, weight, steps measured]
         self.cost: dict[tuple[int, int, bool], list[float]] = {}
         self.last = None
-        self.cold_start = [2, 1, 4]  # the first widths, see choose
-        self.width_counts = [0] * (block_size + 1)  # how often each width was chosen
+        self.cold_start = [2, 1, 4, 1]  # the first widths, see choose
+        self.width_counts = [0] * (block_size + 1)  # how often each width was verified
+        # set by a caller that trims drafted steps (`trim`): `choose` then proposes whole blocks
+        self.trims = False
+        self._exact = False  # this step's width is a cold-start shape: measured as chosen, not trimmed
+        self._beyond: list[list[float]] | None = None  # the last trim's cut-off probabilities, per row
+        # recent trimmed steps (decaying sums): committed tokens expected from the draft's probabilities, their
+        # rows, and the seconds the cost model gave them; and, remembered longer, drafts accepted against drafts
+        # expected, which corrects a draft whose probabilities run high or low
+        self.drafted = [0.0, 0.0, 0.0]
+        self.calibration = [4.0, 4.0]
+        self._expected: tuple[float, float] | None = None  # the last trim's expected drafts and seconds
+        self._worth: float | None = None  # tokens per second the last choice expects to make
 
     # ---- what was measured -----------------------------------------------------------------------------
     def observe(self, accepted: list[int], width: int, tokens: int, seconds: float,
@@ -61,14 +80,41 @@ class WidthController:
         for k in range(self.B):
             self.reached[k] = self.reached[k] * self.decay + (at_least[k - 1] if 1 <= k < width else 0)
             self.hit[k] = self.hit[k] * self.decay + (at_least[k] if k >= 1 else 0)
+        beyond, self._beyond = self._beyond, None
+        if beyond is not None:
+            # slots that `trim` cut off: a row whose verified proposals were all accepted would have reached
+            # them, and the draft's probabilities stand in for what verifying them would have shown; counting
+            # only verified slots would measure the confident ones alone and price untrimmed widths too high
+            for a, probs in zip(accepted, beyond):
+                if a == width - 1:
+                    reach = 1.0
+                    for k, p in enumerate(probs, start=width):
+                        self.reached[k] += reach
+                        reach *= p
+                        self.hit[k] += reach
         for entry in self.cost.values():
             entry[1] *= self.decay
-        entry = self.cost.setdefault(self._key(tokens // width, width, drafted), [seconds, 0.0])
-        # one slow step (a collection, the OS) moves a shape's price up by at most 7.5%: priced dear, a shape is
-        # chosen, and so measured, no more, and one outlier kept the best width out of use for ~80 steps (the
-        # default draft on GSM8K, AVX-512 Xeon: 14 ms for width 3 where its steps took 8)
-        entry[0] += 0.3 * (min(seconds, 1.25 * entry[0]) - entry[0])
+        self.drafted = [v * self.decay for v in self.drafted]
+        expected, self._expected = self._expected, None
+        if expected is not None:
+            self.drafted[0] += expected[0]
+            self.drafted[1] += len(accepted)
+            self.drafted[2] += expected[1]
+            self.calibration = [self.calibration[0] * 0.995 + sum(accepted), self.calibration[1] * 0.995 + expected[0]]
+        # [EMA seconds, weight, steps measured]
+        entry = self.cost.setdefault(self._key(tokens // width, width, drafted), [seconds, 0.0, 0])
+        if entry[2] < 2:
+            # a shape's first two steps: the faster (the first of a shape often pays for buffers and first
+            # calls: the default draft's first plain step took 6.3 ms where the next ones took 5, and the choice
+            # drafted for twenty steps against that price)
+            entry[0] = min(entry[0], seconds)
+        else:
+            # one slow step (a collection, the OS) moves a shape's price up by at most 7.5%: priced dear, a shape
+            # is chosen, and so measured, no more, and one outlier kept the best width out of use for ~80 steps
+            # (the default draft on GSM8K, AVX-512 Xeon: 14 ms for width 3 where its steps took 8)
+            entry[0] += 0.3 * (min(seconds, 1.25 * entry[0]) - entry[0])
         entry[1] += 1.0
+        entry[2] += 1
 
     def slot_rates(self) -> list[float]:
         """[B-1] chance that slot k is accepted given slots 1..k-1 were, each smoothed toward the slot before it
@@ -114,8 +160,10 @@ class WidthController:
         """The width (1..max_width) for the next step of `rows` rows."""
         cap = self.B if max_width is None else max(1, min(max_width, self.B))
         fit = self.step_seconds()
+        self._exact = bool(self.cold_start) or fit is None
         if self.cold_start:
-            # three shapes price width: a step of two, a plain one, and one of four, which tells the draft's own
+            # three shapes price width (the plain one twice, as it prices every other choice): a step of two, a
+            # plain one, and one of four, which tells the draft's own
             # cost from the verify's (with two, a line through them charges the draft to every verified token,
             # and wider blocks looked several times dearer than they are: the choice stayed plain). Not a whole
             # block: where verifying is dear that step alone costs several plain ones, and a good draft shows in
@@ -128,6 +176,16 @@ class WidthController:
             seconds = [self._measured(rows, w) or a + b * rows * w + c * (w > 1) for w in range(1, cap + 1)]
             rate = [rows * e / t for e, t in zip(self.expected_tokens()[:cap], seconds)]
             w = rate.index(max(rate)) + 1
+            if self.trims:
+                # drafting pays where some untrimmed width does, or where trimmed steps did of late (a step's worth
+                # at least), as the draft's probabilities (calibrated by what was accepted) value them: a draft
+                # that is sure where it is right pays trimmed where no fixed width does
+                best = max(rate[1:], default=0.0)
+                if self.drafted[1] >= 1.0:
+                    cal = self.calibration[0] / self.calibration[1]
+                    best = max(best, (self.drafted[1] + cal * self.drafted[0]) / self.drafted[2])
+                w = cap if best > rate[0] else 1
+                self._worth = max(best, rate[0])
             if self.probed_from is not None:  # the step after a probe
                 # a probe that widened the choice found more to gain: look further soon; one that changed
                 # nothing is worth less often, since its wide step costs the most when many rows share it
@@ -148,8 +206,53 @@ class WidthController:
                 self.probed_from, w = w, min(cap, max(2 * w, best_drafted))
                 self.since_probe = 0
         self.last = w
+        if self.trims and w > 1 and not self._exact:
+            w = cap  # `trim` verifies what pays of the whole block
         self.width_counts[w] += 1
         return w
+
+    def trim(self, probs: list[list[float]], width: int) -> int:
+        """How many of a drafted step's `width` tokens to verify (1..width), given the draft's probability of
+        each proposal per row, probs [rows][width - 1]: the most expected committed tokens beyond what their
+        seconds are worth at the steps' rate, a row's slot k counting as accepted with the product of its
+        probabilities up to k (corrected by `calibration`), the seconds from the fitted cost of a step that ran
+        the draft. Counts the step at that width and keeps the cut-off probabilities for `observe`, which must
+        be told the width verified."""
+        fit = self.step_seconds()
+        if self._exact or width <= 1 or fit is None:
+            return width
+        a, b, c = fit
+        rows = len(probs)
+        cal = self.calibration[0] / self.calibration[1]  # a draft sure of too much, or too little
+        expected = [float(rows)] * width  # index v - 1: tokens the rows commit at width v
+        for row in probs:
+            reach = 1.0
+            for k in range(1, width):
+                p = row[k - 1]
+                reach *= min(1.0, cal * p) if 0.0 <= p <= 1.0 else 0.0  # a NaN from a broken draft: a miss
+                expected[k] += reach
+        expected = list(itertools.accumulate(expected, lambda acc, e: acc + e - rows))
+        # priced by the fit alone: a shape measured once (its first step is often slow) would otherwise keep its
+        # width out of use while an unmeasured neighbour, priced by the fit, took every step
+        seconds = [a + b * rows * v + c for v in range(1, width + 1)]
+        # a token verified is worth its seconds at the rate the steps make (the best the choice expected): a
+        # step's own best ratio would take unsure slots that pay less than the steps around them do
+        worth = self._worth or max(e / t for e, t in zip(expected, seconds))
+        value = [e - worth * t for e, t in zip(expected, seconds)]
+        v = value.index(max(value)) + 1
+        self._expected = (expected[v - 1] - rows, seconds[v - 1])
+        self.width_counts[width] -= 1
+        self.width_counts[v] += 1
+        self._beyond = [row[v - 1:width - 1] for row in probs] if v < width else None
+        return v
+
+
+def trims_pay(device) -> bool:
+    """Whether drafted steps are trimmed (`WidthController.trim`) on this device: on a CPU, where each verified
+    token costs a good part of a plain step and reading the draft's probabilities to the host is free. On a GPU
+    a few more verified tokens cost next to nothing, and the read would stall the device's queue between the
+    draft and the verify (a second host synchronisation per step)."""
+    return torch.device(device).type == "cpu"
 
 
 def _weighted_least_squares(x: list[tuple[float, ...]], y: list[float], w: list[float]) -> list[float] | None:

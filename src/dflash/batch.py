@@ -157,7 +157,7 @@ class SpecBatch:
     def step(self, anchor: torch.Tensor, block_pos: torch.Tensor,
              choose: Callable[[torch.Tensor], torch.Tensor] | None, histories: list[list[int]] | None = None,
              width: int | None = None, tree: "TreeSpec | None" = None, proposals: list[list[int]] | None = None,
-             prefix: list[list[int]] | None = None):
+             prefix: list[list[int]] | None = None, trim: Callable[[list[list[float]], int], int] | None = None):
         """One speculative step: the draft fills [anchor, MASK x (B-1)], the target checks the block in one
         forward and `choose` turns its logits [L, q, V] into its own choice at every position [L, q]; None: the
         target's argmax (greedy), where the target's output layer then runs only on the rows that are read
@@ -176,6 +176,9 @@ class SpecBatch:
         prefix: tokens per row (prompt lookup's continuation of the text) that take the place of the DFlash
         draft's first proposals, its own filling the slots after them: the draft's slots do not see each other's
         guesses, so its later ones are as good after a prefix as after its own.
+        trim: for a DFlash draft's block, trim(probs, width) -> how many of its tokens to verify, from the draft's
+        probability of each proposal per row (probs [L][width - 1], read to the host; 1.0 for a prefix's
+        tokens, which the draft did not propose).
         """
         anchor = anchor[:, None]
         width = self.B if width is None else max(1, min(width, self.B))
@@ -212,9 +215,16 @@ class SpecBatch:
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
                                           self.adapter.valid[:, :self.pointer], **self.draft_kw)
+            probs = self.draft.last_confidence if trim is not None else None
             if prefix is not None and any(prefix):
                 over = torch.tensor([(p + [-1] * (width - 1))[:width - 1] for p in prefix], device=proposal.device)
                 proposal = torch.where(over >= 0, over, proposal)
+                probs = None if probs is None else torch.where(over >= 0, 1.0, probs)
+            if probs is not None and width > 1:
+                keep = trim(probs.tolist(), width)
+                if keep < width:
+                    width, proposal = keep, proposal[:, :keep - 1]
+                    block_pos = block_pos[:, :keep].clone(memory_format=torch.contiguous_format)
             verify_ids = torch.cat([anchor, proposal], 1)
         else:
             verify_ids = anchor

@@ -19,7 +19,7 @@ from enum import Enum
 
 import torch
 
-from .adaptive import TREE, TreeBudgetController, WidthController
+from .adaptive import TREE, TreeBudgetController, WidthController, trims_pay
 from .batch import SpecBatch, step_args
 from .ngram import NgramDraft
 from .compiled import built_graphs_only
@@ -274,7 +274,7 @@ class ModelRunner:
                  prompt_lookup: bool = False):
         self.target, self.draft = target, draft
         self.B = block_size if draft is not None else 1
-        self.widths = WidthController(self.B) if adaptive_width and draft is not None else None
+        self.widths = self.width_controller() if adaptive_width and draft is not None else None
         self.tree_budget = tree_budget if draft is not None and draft.config.draft_method == "dflash" else None
         self.tree_topk = tree_topk
         self.budgets = TreeBudgetController(self.B) if self.tree_budget == "auto" else None
@@ -341,6 +341,14 @@ class ModelRunner:
             done.append((p.seq, int(first[0])))
         return done
 
+    def width_controller(self) -> WidthController:
+        widths = WidthController(self.B)
+        # a DFlash draft's block is trimmed to what its probabilities say pays (a chain drafter's length is set
+        # before it drafts)
+        device = next(self.target.parameters()).device
+        widths.trims = self.draft.config.draft_method == "dflash" and trims_pay(device)
+        return widths
+
     def decode(self) -> tuple[list[list[int]], list[int]]:
         """One DFlash step over every running row. Returns the tokens each row commits and its acceptance
         length (the cache keeps them all; a row that stops early is removed before the next step)."""
@@ -366,20 +374,25 @@ class ModelRunner:
         if self.prompt_lookup is not None and spec is None and proposals is None and width > 1:
             prefix = [[] if s is None else self.prompt_lookup.propose(s.token_ids, width - 1)
                       for s in self.rows]
+        trim = None
+        if adaptive and self.widths.trims:  # priced over the running rows (a free row rides along)
+            trim = (lambda probs, w: self.widths.trim([p for p, s in zip(probs, self.rows) if s is not None], w))
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            None if greedy else lambda logits: _choose_per_row(logits, self.rows),
-                                           width=width, tree=spec, proposals=proposals, prefix=prefix)
+                                           width=width, tree=spec, proposals=proposals, prefix=prefix, trim=trim)
         n_keep = accepted + 1
         self.anchor = choice.gather(1, accepted[:, None])[:, 0]
         self.anchor_pos = self.anchor_pos + n_keep
         L, q = choice.shape
+        if trim is not None:
+            self.last_width = q
         host = torch.cat([n_keep, choice.reshape(-1)]).tolist()  # the step's one read back to the host
         n_list, tokens = host[:L], host[L:]
         self.batch.commit(n_keep, max(n_list))
         accepted_live = [n - 1 for s, n in zip(self.rows, n_list) if s is not None]
         seconds = time.perf_counter() - t0 - self.batch.flush_seconds  # see SpecBatch.flush_seconds
-        if adaptive:
-            self.widths.observe(accepted_live, width, L * width, seconds)
+        if adaptive:  # at the width verified, which a trim may have narrowed
+            self.widths.observe(accepted_live, q, L * q, seconds, drafted=width > 1)
         if self.budgets is not None and option is not None:
             self.budgets.observe(accepted_live, option, seconds,
                                  [m for (m, _), s in zip(found, self.rows) if s is not None], q)
@@ -598,7 +611,7 @@ class LLMEngine:
                 self.step()
             self.runner.width_plan.clear()
         if self.runner.widths is not None:
-            self.runner.widths = WidthController(B)
+            self.runner.widths = self.runner.width_controller()
         self.graphs_built = True
         log.info("warm-up: the step graphs took %.1f s to build", time.perf_counter() - t)
 

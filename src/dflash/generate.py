@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import TREE, TreeBudgetController, WidthController
+from .adaptive import TREE, TreeBudgetController, WidthController, trims_pay
 from .batch import SpecBatch, prompt_positions, step_args
 from .eagle import Eagle3DraftModel
 from .fast import resolve_runtime
@@ -174,6 +174,10 @@ class _Generation:
         # so that its draws do not depend on timing and repeat
         self.widths = WidthController(self.B) if adaptive_width and draft is not None and \
             not isinstance(draft, NgramDraft) and (sampling.greedy or generator is None) else None
+        if self.widths is not None:
+            # a DFlash draft's block is trimmed to what its probabilities say pays; a chain drafter's length is
+            # set before it drafts
+            self.widths.trims = not isinstance(draft, Eagle3DraftModel) and trims_pay(self.device)
         # candidate trees where they stay exact: a DFlash draft, greedy choices (sampling verifies the chain)
         self.tree = tree if (tree is not None and sampling.greedy and isinstance(draft, DFlashDraftModel) and
                              not isinstance(draft, Eagle3DraftModel)) else None
@@ -253,6 +257,7 @@ class _Generation:
                 keep = torch.tensor(keep_rows, device=self.device)
                 live, done, anchor_pos = live[keep], done[keep], anchor_pos[keep]
                 live_rows = [live_rows[i] for i in keep_rows]
+                done_rows = [False] * len(keep_rows)
                 batch.select_rows(keep)
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
@@ -269,10 +274,15 @@ class _Generation:
                 option = (self.budgets.choose(len(live_rows), None if found is None else [n for n, _ in found])
                           if self.budgets is not None else (TREE, self.tree.budget))
                 spec, proposals, width = step_args(option, found, self.tree.topk, self.B)
+            trim = None
+            if self.widths is not None and self.widths.trims:
+                # priced over the rows still decoding (finished ones ride along until they are retired)
+                trim = (lambda probs, w, on=[not d for d in done_rows]:
+                        self.widths.trim([p for p, keep in zip(probs, on) if keep], w))
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           None if self.sampling.greedy else
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
-                                          histories, width, spec, proposals, prefix)
+                                          histories, width, spec, proposals, prefix, trim)
             active = ~done
             n_take, done = self._commit(live, choice, accepted + 1, done)
             anchor_pos = anchor_pos + n_take
@@ -285,8 +295,8 @@ class _Generation:
             # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
             batch.commit(n_take, max(n_rows))
             seconds = time.perf_counter() - t_step - batch.flush_seconds
-            if self.widths is not None:
-                self.widths.observe([a - 1 for a in acc], width, L * width, seconds)
+            if self.widths is not None:  # at the width verified, which a trim may have narrowed
+                self.widths.observe([a - 1 for a in acc], q, L * q, seconds, drafted=width > 1)
             if self.budgets is not None:
                 self.budgets.observe([a - 1 for a in acc], option, seconds,
                                      [n for (n, _), on in zip(found, host[3 * L:4 * L]) if on] if found else None, q)
