@@ -375,7 +375,7 @@ class ModelRunner:
             prefix = [[] if s is None else self.prompt_lookup.propose(s.token_ids, width - 1)
                       for s in self.rows]
         trim = None
-        if adaptive and self.widths.trims:  # priced over the running rows (a free row rides along)
+        if adaptive and self.widths.trimming:  # priced over the running rows (a free row rides along)
             trim = (lambda probs, w: self.widths.trim([p for p, s in zip(probs, self.rows) if s is not None], w))
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            None if greedy else lambda logits: _choose_per_row(logits, self.rows),

@@ -275,7 +275,7 @@ class _Generation:
                           if self.budgets is not None else (TREE, self.tree.budget))
                 spec, proposals, width = step_args(option, found, self.tree.topk, self.B)
             trim = None
-            if self.widths is not None and self.widths.trims:
+            if self.widths is not None and self.widths.trimming:
                 # priced over the rows still decoding (finished ones ride along until they are retired)
                 trim = (lambda probs, w, on=[not d for d in done_rows]:
                         self.widths.trim([p for p, keep in zip(probs, on) if keep], w))
