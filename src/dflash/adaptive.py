@@ -17,9 +17,9 @@ step, the width with the most expected committed tokens per second, from what it
 
 Then, once the draft has run, `trim` cuts the step to the proposals worth verifying by the draft's own
 probabilities (calibrated in a trained draft): the rates above say whether drafting pays on average, the
-probabilities say how far this one block is worth checking. Drafted steps then propose the whole block (the
-draft's forward costs about the same at any width) and verify from 1 token (the draft was unsure of all of
-them) to all of them.
+probabilities say how far this one block is worth checking. Drafted steps of one row then propose the whole
+block (the draft's forward costs about the same at any width there) and verify from 1 token (the draft was
+unsure of all of them) to all of them.
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
 much worse than decoding without a draft. While the choice is narrow, twice that width (from plain decoding,
@@ -61,8 +61,8 @@ class WidthController:
         self.trims = False
         self.trimming = False
         self._beyond: list[list[float]] | None = None  # the last trim's cut-off probabilities, per row
-        # recent trimmed steps (decaying sums): committed tokens expected from the draft's probabilities, their
-        # rows, and the seconds the cost model gave them; and, remembered longer, drafts accepted against drafts
+        # recent trimmed steps (decaying sums): drafts the draft's probabilities expected to be accepted, rows,
+        # and the seconds the cost model gave them; and, remembered longer, drafts accepted against drafts
         # expected, which corrects a draft whose probabilities run high or low
         self.drafted = [0.0, 0.0, 0.0]
         self.calibration = [4.0, 4.0]
@@ -166,11 +166,11 @@ class WidthController:
         exact = bool(self.cold_start) or fit is None  # a cold-start shape: measured as chosen, not trimmed
         if self.cold_start:
             # three shapes price width (the plain one twice, as it prices every other choice): a step of two, a
-            # plain one, and one of four, which tells the draft's own
-            # cost from the verify's (with two, a line through them charges the draft to every verified token,
-            # and wider blocks looked several times dearer than they are: the choice stayed plain). Not a whole
-            # block: where verifying is dear that step alone costs several plain ones, and a good draft shows in
-            # slot 1, whose rate the far slots are smoothed toward, so the next choice can go wide at once.
+            # plain one, and one of four, which tells the draft's own cost from the verify's (with two, a line
+            # through them charges the draft to every verified token, and wider blocks looked several times
+            # dearer than they are: the choice stayed plain). Not a whole block: where verifying is dear that step
+            # alone costs several plain ones, and a good draft shows in slot 1, whose rate the far slots are
+            # smoothed toward, so the next choice can go wide at once.
             w = min(self.cold_start.pop(0), cap)
         elif fit is None:
             w = 1 if self.last is not None and self.last > 1 else min(2, cap)

@@ -213,6 +213,7 @@ class SpecBatch:
             return self._tree_step(anchor, block_pos, choose, tree)
         elif self.draft is not None:
             mask_block = anchor.new_full((anchor.shape[0], width - 1), self.draft.config.mask_token_id)
+            self.draft.keep_confidence = trim is not None
             proposal = self.draft.propose(torch.cat([anchor, mask_block], 1), block_pos, self.dcache,
                                           self.adapter.valid[:, :self.pointer], **self.draft_kw)
             probs = self.draft.last_confidence if trim is not None else None

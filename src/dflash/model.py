@@ -291,7 +291,8 @@ class DFlashDraftModel(nn.Module):
         self.register_buffer("draft_vocab", None)
         self._head_cache = self._proposal_cache = None
         self._compiled = None  # see compiled()
-        self.last_confidence: torch.Tensor | None = None  # see greedy_tokens
+        self.keep_confidence = False  # whether greedy_tokens leaves `last_confidence` (a step that trims asks)
+        self.last_confidence: torch.Tensor | None = None
         self._stack = None  # see _layer_stack()
         # bits of the layer weights the CPU fast path multiplies by at inference (_layer_stack): 8 (Q8_0), or 4
         # (Q4_1) beside a target that runs at 4 bits (SpecBatch sets it from the runtime). The proposal head keeps
@@ -715,10 +716,10 @@ class DFlashDraftModel(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Argmax token ids [b, n] of final (normed) states hidden [b, n, H], over the draft vocabulary if set.
-        Leaves the draft's probability of each in `last_confidence` [b, n] (fp32): a trained draft's are
-        calibrated (SmolLM2's default draft, 8 prompts of each held-out set: proposals it gives 0.1-0.2 were
-        accepted 7-15% of the time, those it gives over 0.9, 91-94%), which is what an adaptive step reads to
-        verify only the proposals worth their cost (`WidthController.trim`)."""
+        With `keep_confidence`, leaves the draft's probability of each in `last_confidence` [b, n] (fp32), a
+        softmax over the vocabulary's rows that only a step trimming its block pays for. A trained draft's are
+        close to how often its proposals are accepted, which is what an adaptive step reads to verify only the
+        proposals worth their cost (`WidthController.trim`, which corrects them by what was accepted)."""
         b, n, h = hidden.shape
         # 2-D and contiguous: a strided 3-D input sends F.linear down a bmm path that copies the whole
         # (vocab x hidden) weight on every call (measured: 41 of 54 ms per step on SmolLM2)
@@ -726,8 +727,10 @@ class DFlashDraftModel(nn.Module):
         weight, bias, rows = self._proposal_head()
         logits = linear(hidden, weight, bias)
         ids = argmax(logits)
-        logits = logits.float()
-        self.last_confidence = (logits.gather(1, ids[:, None])[:, 0] - logits.logsumexp(1)).exp().view(b, n)
+        self.last_confidence = None
+        if self.keep_confidence:
+            logits = logits.float()
+            self.last_confidence = (logits.gather(1, ids[:, None])[:, 0] - logits.logsumexp(1)).exp().view(b, n)
         return (ids if rows is None else rows[ids]).view(b, n)
 
 
