@@ -67,7 +67,9 @@ class WidthController:
         self.drafted = [0.0, 0.0, 0.0]
         self.calibration = [4.0, 4.0]
         self._expected: tuple[float, float] | None = None  # the last trim's expected drafts and seconds
-        self._worth: float | None = None  # tokens per second the last choice expects to make
+        # what the last choice that trims found: tokens per second it expects to make, and the cost fit (a, b, c)
+        self._worth: float = 0.0
+        self._fit: tuple[float, float, float] | None = None
 
     # ---- what was measured -----------------------------------------------------------------------------
     def observe(self, accepted: list[int], width: int, tokens: int, seconds: float,
@@ -188,7 +190,7 @@ class WidthController:
                     cal = self.calibration[0] / self.calibration[1]
                     best = max(best, (self.drafted[1] + cal * self.drafted[0]) / self.drafted[2])
                 w = cap if best > rate[0] else 1
-                self._worth = max(best, rate[0])
+                self._worth, self._fit = max(best, rate[0]), fit
             if self.probed_from is not None:  # the step after a probe
                 # a probe that widened the choice found more to gain: look further soon; one that changed
                 # nothing is worth less often, since its wide step costs the most when many rows share it
@@ -222,10 +224,9 @@ class WidthController:
         probabilities up to k (corrected by `calibration`), the seconds from the fitted cost of a step that ran
         the draft. Counts the step at that width and keeps the cut-off probabilities for `observe`, which must
         be told the width verified."""
-        fit = self.step_seconds()
-        if not self.trimming or width <= 1 or fit is None:
+        if not self.trimming or width <= 1:
             return width
-        a, b, c = fit
+        a, b, c = self._fit
         rows = len(probs)
         cal = self.calibration[0] / self.calibration[1]  # a draft sure of too much, or too little
         expected = [float(rows)] * width  # index v - 1: tokens the rows commit at width v
@@ -241,8 +242,7 @@ class WidthController:
         seconds = [a + b * rows * v + c for v in range(1, width + 1)]
         # a token verified is worth its seconds at the rate the steps make (the best the choice expected): a
         # step's own best ratio would take unsure slots that pay less than the steps around them do
-        worth = self._worth or max(e / t for e, t in zip(expected, seconds))
-        value = [e - worth * t for e, t in zip(expected, seconds)]
+        value = [e - self._worth * t for e, t in zip(expected, seconds)]
         v = value.index(max(value)) + 1
         self._expected = (expected[v - 1] - rows, seconds[v - 1])
         self.width_counts[width] -= 1

@@ -221,7 +221,7 @@ class SpecBatch:
                 over = torch.tensor([(p + [-1] * (width - 1))[:width - 1] for p in prefix], device=proposal.device)
                 proposal = torch.where(over >= 0, over, proposal)
                 probs = None if probs is None else torch.where(over >= 0, 1.0, probs)
-            if probs is not None and width > 1:
+            if probs is not None:
                 keep = trim(probs.tolist(), width)
                 if keep < width:
                     width, proposal = keep, proposal[:, :keep - 1]

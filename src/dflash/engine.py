@@ -374,9 +374,7 @@ class ModelRunner:
         if self.prompt_lookup is not None and spec is None and proposals is None and width > 1:
             prefix = [[] if s is None else self.prompt_lookup.propose(s.token_ids, width - 1)
                       for s in self.rows]
-        trim = None
-        if adaptive and self.widths.trimming:  # priced over the running rows (a free row rides along)
-            trim = (lambda probs, w: self.widths.trim([p for p, s in zip(probs, self.rows) if s is not None], w))
+        trim = self.widths.trim if adaptive and self.widths.trimming else None  # one row: see WidthController
         choice, accepted = self.batch.step(self.anchor, self.anchor_pos[:, None] + j,
                                            None if greedy else lambda logits: _choose_per_row(logits, self.rows),
                                            width=width, tree=spec, proposals=proposals, prefix=prefix, trim=trim)

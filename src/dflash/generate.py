@@ -257,7 +257,6 @@ class _Generation:
                 keep = torch.tensor(keep_rows, device=self.device)
                 live, done, anchor_pos = live[keep], done[keep], anchor_pos[keep]
                 live_rows = [live_rows[i] for i in keep_rows]
-                done_rows = [False] * len(keep_rows)
                 batch.select_rows(keep)
             n_gen = self.n_gen[live]
             anchor = self.out[live].gather(1, (n_gen - 1)[:, None])[:, 0]  # [L] last committed token
@@ -274,11 +273,7 @@ class _Generation:
                 option = (self.budgets.choose(len(live_rows), None if found is None else [n for n, _ in found])
                           if self.budgets is not None else (TREE, self.tree.budget))
                 spec, proposals, width = step_args(option, found, self.tree.topk, self.B)
-            trim = None
-            if self.widths is not None and self.widths.trimming:
-                # priced over the rows still decoding (finished ones ride along until they are retired)
-                trim = (lambda probs, w, on=[not d for d in done_rows]:
-                        self.widths.trim([p for p, keep in zip(probs, on) if keep], w))
+            trim = self.widths.trim if self.widths is not None and self.widths.trimming else None
             choice, accepted = batch.step(anchor, anchor_pos[:, None] + j,
                                           None if self.sampling.greedy else
                                           lambda logits: choose_tokens(logits, self.sampling, self.generator),
