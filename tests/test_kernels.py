@@ -511,7 +511,10 @@ def test_the_draft_builds_its_layer_stack_again_whenever_a_weight_changes():
 
 
 @needs_int4_kernel
-def test_a_draft_beside_a_4bit_target_multiplies_at_4_bits():
+@needs_attention_kernel
+def test_a_draft_beside_a_4bit_target_multiplies_at_4_bits_built_before_the_first_step():
+    # built when the batch is made, not inside the first timed step: tens of ms there priced drafting several
+    # times too dear for the adaptive width (SpecBatch)
     from dflash.batch import SpecBatch
     from dflash.model import DFlashDraftModel
     from tiny import tiny_target
@@ -519,8 +522,12 @@ def test_a_draft_beside_a_4bit_target_multiplies_at_4_bits():
     target = tiny_target("llama", seed=4).bfloat16()
     draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
     for runtime, bits in (("fast-int4", 4), ("fast", 8), ("fast-int4-compile", 4), ("fast-int8", 8)):
+        draft._stack = draft._proposal_cache = None
         SpecBatch(target, draft, 4, 32, runtime)
         assert draft.inference_bits == bits, runtime
+        assert draft._stack is not None and draft._stack[0][0] == bits and draft._proposal_cache is not None
+        with torch.inference_mode():
+            assert draft._layer_stack() is draft._stack, runtime  # the step finds it built
 
 
 def _q8_draft_products(monkeypatch):

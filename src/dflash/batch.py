@@ -104,6 +104,7 @@ class SpecBatch:
             # beside a 4-bit target the draft's layers run at 4 bits too: every propose streams their weights
             # (the default draft's propose, AVX-512 Xeon, 2 threads, profile_step.py: 1.1-1.2 ms, 1.3 at 8 bits)
             draft.inference_bits = 4 if resolve_runtime(target, runtime).startswith("fast-int4") else 8
+            draft.prepare()  # not inside a timed step: the adaptive controllers price steps by their seconds
         # the target's steps are compiled: the draft's too (asked only then, so drafts without the option work)
         self.draft_kw = {"compile": True} if runtime.endswith("-compile") else {}
         self.max_capacity = max_capacity  # enough for every row once the holes are squeezed out

@@ -681,6 +681,15 @@ class DFlashDraftModel(nn.Module):
             self._proposal_cache = (w, proposal_weight(weight), bias, rows)
         return self._proposal_cache[1:]
 
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """Builds now what inference otherwise builds at its first use: the quantized layer stack and proposal
+        head (tens of ms for the default draft, AVX-512 Xeon). Paid inside the first drafted step, that cost
+        priced drafting several times too dear: a width controller fitted to it verified whole blocks or stayed
+        plain for a whole answer (see SpecBatch)."""
+        self._layer_stack()
+        self._proposal_head()
+
     def propose(self, block_ids: torch.Tensor, block_pos: torch.Tensor, cache: DraftKVCache,
                 ctx_valid: torch.Tensor, compile: bool = False) -> torch.Tensor:
         """Greedy draft tokens [b, B-1] for the mask slots of each block (greedy even when the target samples:
