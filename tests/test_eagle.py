@@ -115,3 +115,17 @@ def test_method_and_draft_kind_must_agree(lang, tmp_path):  # noqa: F811
               tokenizer=tok, progress=False)
     with pytest.raises(DFlashInputError, match="runs DFlash drafts; this is a eagle3 draft"):
         LLMEngine(target, tok, Eagle3DraftModel.from_target(target, block_size=4))
+
+
+def test_a_bf16_chain_drafter_decodes_as_the_target_does():
+    # a batch prepares its draft before the first step (DFlashDraftModel.prepare): the chain drafter's layer is its
+    # own, so it builds its proposal head only (building the DFlash layer stack from it failed on a bf16 draft)
+    from dflash import ar_generate
+
+    target = tiny_target("qwen3", seed=2).bfloat16()
+    draft = Eagle3DraftModel.from_target(target, block_size=4).bfloat16()
+    ids, mask = ragged_batch([5, 9], seed=3)
+    out = spec_generate(target, draft, ids, mask, max_new_tokens=12, stop_token_ids=[], return_stats=True)
+    ref = ar_generate(target, ids, mask, max_new_tokens=12, stop_token_ids=[], return_stats=True)
+    assert out.num_new_tokens == [12, 12]
+    assert new_tokens(out, ids, out.num_new_tokens) == new_tokens(ref, ids, ref.num_new_tokens)

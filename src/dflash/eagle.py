@@ -112,6 +112,12 @@ class Eagle3DraftModel(DFlashDraftModel):
         return self.greedy_tokens(self.norm(h))
 
     # ---- inference ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """Builds the proposal head ahead of the first step; the chain runs its own layer, not the DFlash draft's
+        layer stack (see DFlashDraftModel.prepare)."""
+        self._proposal_head()
+
     def write_entries(self, features, next_ids, cache: DraftKVCache, slot: int):
         """Writes the entries of n committed positions into cache slots slot..slot+n: entry j pairs the target
         features f_j [b, n, F] with the token that followed, next_ids [b, n] (positions already in the cache).
