@@ -32,8 +32,8 @@ echo "build_eagle3_draft.sh: the peer trains for the DFlash run's $HOURS h" >&2
 PEER="$WORK/eagle3"
 dflash train --method eagle3 --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --output "$PEER" \
     --num-layers 1 --num-target-features 3 --block-size "$((CHAIN + 1))" --num-anchors 128 --lr 6e-4 --warmup 0.04 \
-    --epochs 3 --max-hours "$HOURS" --draft-vocab-size 8192 --max-length 1536 --compile --eval-interval 1000 \
-    --save-interval 100 --save-dtype bfloat16 --threads "$THREADS" --resume
+    --epochs 3 --max-hours "$HOURS" --draft-vocab-size 8192 --max-length 1536 --compile --autocast auto \
+    --eval-interval 1000 --save-interval 100 --save-dtype bfloat16 --threads "$THREADS" --resume
 
 # the same held-out evaluation for both (40 prompts x 128 tokens of each test set, fixed width)
 for run in "$DFLASH_RUN" "$PEER"; do
