@@ -9,9 +9,8 @@
 #
 # Equal compute: the peer's cosine schedule is sized (--max-hours) to the wall-clock hours the DFlash run took
 # (its log's, every sitting added up), on the same data and feature cache, in the same precision (--autocast auto);
-# HOURS=H overrides that. Train both on
-# the same machine: hours on two machines are not the same compute. The peer drafts a chain of CHAIN tokens,
-# verified at width CHAIN+1 as DFlash's block of 8.
+# HOURS=H overrides that. Train both on the same machine: hours on two machines are not the same compute. The peer
+# drafts a chain of CHAIN tokens, verified at width CHAIN+1 as DFlash's block of 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
