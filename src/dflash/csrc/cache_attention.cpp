@@ -177,6 +177,51 @@ inline void transpose8(__m256* x) {
   }
 }
 
+// NR rows' output blocks [NR, D] at acc (fp32, rows D apart) plus the n <= 16 value rows weighed by p[i][l]: each
+// element adds its terms in slot order, one multiply-add each, as a row alone does.
+template <int NR, int D>
+inline void weigh_values(const float* const* p, const float* const* value, int64_t n, float* acc) {
+#ifdef DFLASH_ATTN_512
+  if constexpr (D % 64 == 0) {  // 16 lanes at a time and 64 elements per pass
+    for (int c = 0; c < D; c += 64) {
+      __m512 o[NR][4];
+      for (int i = 0; i < NR; ++i)
+        for (int e = 0; e < 4; ++e) o[i][e] = _mm512_loadu_ps(acc + i * D + c + 16 * e);
+      for (int64_t l = 0; l < n; ++l) {
+        __m512 vl[4];
+        for (int e = 0; e < 4; ++e) vl[e] = _mm512_loadu_ps(value[l] + c + 16 * e);
+        for (int i = 0; i < NR; ++i) {
+          const __m512 w = _mm512_set1_ps(p[i][l]);
+          for (int e = 0; e < 4; ++e) o[i][e] = _mm512_fmadd_ps(w, vl[e], o[i][e]);
+        }
+      }
+      for (int i = 0; i < NR; ++i)
+        for (int e = 0; e < 4; ++e) _mm512_storeu_ps(acc + i * D + c + 16 * e, o[i][e]);
+    }
+    return;
+  }
+#endif
+  for (int c = 0; c < D; c += 16) {
+    __m256 o[NR][2];
+    for (int i = 0; i < NR; ++i) {
+      o[i][0] = _mm256_loadu_ps(acc + i * D + c);
+      o[i][1] = _mm256_loadu_ps(acc + i * D + c + 8);
+    }
+    for (int64_t l = 0; l < n; ++l) {
+      const __m256 v0 = _mm256_loadu_ps(value[l] + c), v1 = _mm256_loadu_ps(value[l] + c + 8);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 w = _mm256_set1_ps(p[i][l]);
+        o[i][0] = _mm256_fmadd_ps(w, v0, o[i][0]);
+        o[i][1] = _mm256_fmadd_ps(w, v1, o[i][1]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      _mm256_storeu_ps(acc + i * D + c, o[i][0]);
+      _mm256_storeu_ps(acc + i * D + c + 8, o[i][1]);
+    }
+  }
+}
+
 // Rows [r0, r1) of one key/value head of one batch row: row r = g * nq + i is query i of the g-th query head that
 // shares this key/value head. q, out: that head's rows [groups * nq, d]. D: the head size when it is a
 // compile-time constant (64, 128: a query's output block kept in registers), else 0 and `d`.
@@ -311,59 +356,28 @@ void head_rows(const float* q, const KV* k, const KV* v, const bool* visible, fl
     };
     int64_t r = 0;
     if constexpr (D != 0) {
-      // four rows that all see every key of the block at once, 16 output elements at a time: each value chunk
-      // is loaded once for the four, and every element takes the same multiply-adds in the same order as row by
-      // row (so the same bits). A row that skips a key goes alone.
-      for (; r + 4 <= R; r += 4) {
+      // rows that all see every key of the block, up to four at once (each value chunk loaded once for them, and
+      // their output blocks' sums independent chains: a row alone waits on the multiply-add before at every key),
+      // every element taking the same multiply-adds in the same order as row by row (so the same bits). Rows where
+      // one skips a key go alone.
+      while (R - r >= 2) {
+        const int64_t rows = std::min<int64_t>(4, R - r);
         const float* p[4];
         bool all = true;
-        for (int i = 0; i < 4; ++i) {
+        for (int64_t i = 0; i < rows; ++i) {
           p[i] = weights.data() + (r + i) * S + (j0 - lo);
           all &= nonzero16(p[i], n) == (1u << n) - 1;
         }
-        if (!all) {
-          for (int i = 0; i < 4; ++i) one_row(r + i);
-          continue;
-        }
-#ifdef DFLASH_ATTN_512
-        if constexpr (D % 64 == 0) {  // the same multiply-adds, 16 lanes at a time and 64 elements per pass
-          for (int c = 0; c < D; c += 64) {
-            __m512 o[4][4];
-            for (int i = 0; i < 4; ++i)
-              for (int e = 0; e < 4; ++e) o[i][e] = _mm512_loadu_ps(acc.data() + (r + i) * d + c + 16 * e);
-            for (int64_t l = 0; l < n; ++l) {
-              __m512 vl[4];
-              for (int e = 0; e < 4; ++e) vl[e] = _mm512_loadu_ps(value[l] + c + 16 * e);
-              for (int i = 0; i < 4; ++i) {
-                const __m512 w = _mm512_set1_ps(p[i][l]);
-                for (int e = 0; e < 4; ++e) o[i][e] = _mm512_fmadd_ps(w, vl[e], o[i][e]);
-              }
-            }
-            for (int i = 0; i < 4; ++i)
-              for (int e = 0; e < 4; ++e) _mm512_storeu_ps(acc.data() + (r + i) * d + c + 16 * e, o[i][e]);
-          }
-          continue;
-        }
-#endif
-        for (int c = 0; c < D; c += 16) {
-          __m256 o[4][2];
-          for (int i = 0; i < 4; ++i) {
-            o[i][0] = _mm256_loadu_ps(acc.data() + (r + i) * d + c);
-            o[i][1] = _mm256_loadu_ps(acc.data() + (r + i) * d + c + 8);
-          }
-          for (int64_t l = 0; l < n; ++l) {
-            const __m256 v0 = _mm256_loadu_ps(value[l] + c), v1 = _mm256_loadu_ps(value[l] + c + 8);
-            for (int i = 0; i < 4; ++i) {
-              const __m256 w = _mm256_set1_ps(p[i][l]);
-              o[i][0] = _mm256_fmadd_ps(w, v0, o[i][0]);
-              o[i][1] = _mm256_fmadd_ps(w, v1, o[i][1]);
-            }
-          }
-          for (int i = 0; i < 4; ++i) {
-            _mm256_storeu_ps(acc.data() + (r + i) * d + c, o[i][0]);
-            _mm256_storeu_ps(acc.data() + (r + i) * d + c + 8, o[i][1]);
-          }
-        }
+        float* a = acc.data() + r * d;
+        if (!all)
+          for (int64_t i = 0; i < rows; ++i) one_row(r + i);
+        else if (rows == 4)
+          weigh_values<4, D>(p, value, n, a);
+        else if (rows == 3)
+          weigh_values<3, D>(p, value, n, a);
+        else
+          weigh_values<2, D>(p, value, n, a);
+        r += rows;
       }
     }
     for (; r < R; ++r) one_row(r);
