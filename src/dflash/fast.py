@@ -204,8 +204,8 @@ class FastForward:
         `slots`, for a CUDA graph); returns its storage.
 
         A slice copy, converting to the cache dtype on the way: StaticLayer.update would spend five small ops
-        (slot index, counter, two index copies) on it. Its counter is advanced for all layers at once by the
-        caller, so crop/rewind keep working on it."""
+        (slot index, counter, two index copies) on it. The layers' own counters stay unused: the adapter's
+        pointer is where the slots end (FastTargetAdapter.rewind)."""
         if not layer.is_initialized:
             layer.lazy_initialization(ks.to(self.attn_dtype), vs.to(self.attn_dtype))
         if slots is not None:
@@ -356,7 +356,6 @@ class FastForward:
             x = x + mm(act, L.wdown, L.bdown, L.parts[3])
             if i in tap_set:
                 taps[i] = x
-        torch._foreach_add_([c.cumulative_length for c in cache.layers], q)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         x = self.norm(self.final_norm, x)
@@ -444,6 +443,12 @@ class FastTargetAdapter(TargetAdapter):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.fast.logits(hidden)
+
+    def rewind(self, n: int) -> None:
+        # the pointer alone: the lean forward writes at it and never reads the cache layers' counters (HF's
+        # crop would step 30 of them back, one small op each)
+        if n > 0:
+            self.pointer -= n
 
     def _run(self, input_ids, position_ids, tap_ids, logits_to_keep, tree_mask=None, head=True):
         return self.fast(input_ids, position_ids, self.cache, self.valid, self.pointer, tap_ids, logits_to_keep,

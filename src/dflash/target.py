@@ -73,10 +73,8 @@ class TargetAdapter:
         self.cache = None
         self.valid = None
         self.pointer = 0
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        # where the model is now (read several times a step: walking its parameters costs tens of microseconds)
+        self.device = next(model.parameters()).device
 
     # ---- cache ---------------------------------------------------------------------------------------
     def reset(self, batch_size: int, capacity: int) -> None:
