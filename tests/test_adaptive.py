@@ -409,6 +409,7 @@ def test_any_trim_reproduces_greedy_decoding(arch, monkeypatch):
         return v
 
     monkeypatch.setattr(WidthController, "trim", any_trim)
+    monkeypatch.setenv("DFLASH_TRIM", "1")  # trimming is opt-in (dflash.adaptive.trims_pay)
     futures = [ids[i][mask[i].bool()].tolist() + ar[i, ids.shape[1]:].tolist() for i in range(3)]
     for B in (4, 8):
         base = DFlashDraftModel.from_target(target, num_layers=1, block_size=B)
@@ -426,3 +427,11 @@ def test_any_trim_reproduces_greedy_decoding(arch, monkeypatch):
                 engine.step()
             assert seq.output_ids == ar[i, ids.shape[1]:].tolist(), (arch, B, i)
     assert seen  # the trims ran
+
+
+def test_trimming_is_opt_in_and_cpu_only(monkeypatch):
+    from dflash.adaptive import trims_pay
+    monkeypatch.delenv("DFLASH_TRIM", raising=False)
+    assert not trims_pay("cpu")
+    monkeypatch.setenv("DFLASH_TRIM", "1")
+    assert trims_pay("cpu") and not trims_pay("cuda")

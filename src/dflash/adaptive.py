@@ -15,8 +15,8 @@ step, the width with the most expected committed tokens per second, from what it
   blocks would spread over the widths between and so make narrow blocks look cheap; and the verify cost on a
   CPU is not quite linear, which the measured shapes correct).
 
-Then, once the draft has run, `trim` cuts the step to the proposals worth verifying by the draft's own
-probabilities (calibrated in a trained draft): the rates above say whether drafting pays on average, the
+Then (where `trims_pay`: opt-in), once the draft has run, `trim` cuts the step to the proposals worth verifying by
+the draft's own probabilities (calibrated in a trained draft): the rates above say whether drafting pays on average, the
 probabilities say how far this one block is worth checking. Drafted steps of one row then propose the whole
 block (the draft's forward costs about the same at any width there) and verify from 1 token (the draft was
 unsure of all of them) to all of them.
@@ -31,6 +31,7 @@ keeps the output exact: the verify rule does not depend on how many proposals ar
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 
@@ -252,11 +253,15 @@ class WidthController:
 
 
 def trims_pay(device) -> bool:
-    """Whether drafted steps are trimmed (`WidthController.trim`) on this device: on a CPU, where each verified
-    token costs a good part of a plain step and reading the draft's probabilities to the host is free. On a GPU
-    a few more verified tokens cost next to nothing, and the read would stall the device's queue between the
-    draft and the verify (a second host synchronisation per step)."""
-    return torch.device(device).type == "cpu"
+    """Whether drafted steps are trimmed (`WidthController.trim`): only where DFLASH_TRIM=1 asks for it, and only on
+    a CPU (on a GPU a few more verified tokens cost next to nothing, and reading the draft's probabilities would
+    stall the device's queue between the draft and the verify: a second host synchronisation per step).
+    A trimmed step proposes the whole block, and since dflash's int4 kernels stream each weight once per thread a
+    block's rows cost more than they did (30 layers' int4 products: 2.42 / 2.73 / 4.04 ms for 1 / 4 / 8 rows, AMD
+    EPYC (AVX-512), 2 threads, benchmarks/linear_rows.py). There, with the shipped draft, the untrimmed widths did
+    as well or better: `dflash bench --datasets gsm8k,humaneval,mt-bench --num-prompts 20 --methods
+    ar,dflash-adaptive` gave 1.18x / 1.07x / 1.11x untrimmed and 1.16x / 0.89x / 0.99x with DFLASH_TRIM=1."""
+    return torch.device(device).type == "cpu" and os.environ.get("DFLASH_TRIM", "0") == "1"
 
 
 def _weighted_least_squares(x: list[tuple[float, ...]], y: list[float], w: list[float]) -> list[float] | None:
