@@ -15,11 +15,11 @@ step, the width with the most expected committed tokens per second, from what it
   blocks would spread over the widths between and so make narrow blocks look cheap; and the verify cost on a
   CPU is not quite linear, which the measured shapes correct).
 
-Then (where `trims_pay`: opt-in), once the draft has run, `trim` cuts the step to the proposals worth verifying by
-the draft's own probabilities (calibrated in a trained draft): the rates above say whether drafting pays on average, the
-probabilities say how far this one block is worth checking. Drafted steps of one row then propose the whole
-block (the draft's forward costs about the same at any width there) and verify from 1 token (the draft was
-unsure of all of them) to all of them.
+Then (opt-in, see `trims_pay`), once the draft has run, `trim` cuts the step to the proposals worth verifying by
+the draft's own probabilities (calibrated in a trained draft): the rates above say whether drafting pays on
+average, the probabilities say how far this one block is worth checking. Drafted steps of one row then propose the
+whole block (worth it where the draft's forward costs about the same at any width) and verify from 1 token (the
+draft was unsure of all of them) to all of them.
 
 Width 1 is a plain decoding step (the draft cache still gets the target's features), so the choice is never
 much worse than decoding without a draft. While the choice is narrow, twice that width (from plain decoding,
