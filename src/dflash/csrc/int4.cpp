@@ -25,7 +25,8 @@
 // The same library holds `q8_linear`, for weights in GGUF's Q8_0 layout (groups of 32 int8 with one fp16 scale;
 // GGUF files keep the token embedding, which is the tied LM head, that way): llama.cpp's Q8_0 x Q8 arithmetic,
 // y += xscale * scale * sum(q * xq) per group, with the same promise. The VNNI builds take two tiles at a time with
-// `vpdpbusd` (q8_tile_pair) for 6 rows or more, the AVX2 code otherwise: the same integer sums and float epilogue, so the same bits.
+// `vpdpbusd` (q8_tile_pair) for 6 rows or more, the AVX2 code otherwise: the same integer sums and float epilogue,
+// so the same bits.
 //
 // An AVX-VNNI build (Alder Lake and later client CPUs, which lack AVX-512) is the AVX2 code with `vpdpbusd` on 8
 // lanes in place of each `vpmaddubsw` + `vpmaddwd` pair: the same exact int32 sums, so the same bits, for fewer
