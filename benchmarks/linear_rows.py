@@ -104,6 +104,15 @@ def main():
         for kname in stack[0][1]:
             results.setdefault(f"{c.num_hidden_layers} layers", {})[kname] = _timed(
                 lambda m: [fns[kname](xs[m][n_in]) for n_in, fns in stack])
+        # the output layer as a step meets it, streamed from memory (two copies taken in turn, each larger than a
+        # CPU's cache), on the int4 runtime's Q8_0 kernel
+        n_out, n_in = shapes["lm_head"]
+        if kernels.Q8Weight.fits(torch.empty(n_out, n_in)):
+            heads = [kernels.Q8Weight(torch.randn(n_out, n_in, generator=g).bfloat16() / n_in ** 0.5) for _ in range(2)]
+            xh = {m: torch.randn(m, n_in, generator=g).bfloat16() for m in ROWS}
+            both = _timed(lambda m: [h.linear(xh[m], None) for h in heads])
+            results["lm_head from memory"] = {"q8_0 dflash": {"us": [round(u / 2, 1) for u in both["us"]],
+                                                              "ratio_to_1_row": both["ratio_to_1_row"]}}
         # a layer's attention over --context cached slots on dflash's kernel, the m rows being the step's queries
         if kernels.cache_attention_kernel():
             qs = {m: torch.randn(1, c.num_attention_heads, m, head_dim, generator=g).bfloat16() for m in ROWS}

@@ -136,9 +136,10 @@ void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const 
 
 // Tiles [begin, end) for M rows, one tile after the other: the weight is one stream through memory. Taking
 // 2-8 tiles side by side (independent sums to hide vpdpbusd's latency) made as many streams, which the hardware
-// prefetcher follows worse: 30 layers of SmolLM2-135M's products, AMD EPYC (AVX-512), 2 threads, took 2.18 / 2.22 /
-// 2.56 ms for 1 / 2 / 4 rows one tile at a time against 2.79 / 2.72 / 3.20 with 8 / 4 / 2 tiles side by side, and
-// 3.88 at 8 rows either way (the same bits: a row's arithmetic does not depend on the grouping).
+// prefetcher follows worse: 30 layers of SmolLM2-135M's products, AMD EPYC (AVX-512), 2 threads, took 2.42 / 2.64 /
+// 2.73 ms for 1 / 2 / 4 rows one tile at a time against 2.96 / 3.07 / 3.35 with 8 / 4 / 2 tiles side by side, and
+// about 4.0 at 8 rows either way (benchmarks/linear_rows.py; the same bits: a row's arithmetic does not depend on
+// the grouping).
 template <int M>
 void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                 int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
@@ -565,8 +566,9 @@ void q8_rows(const int8_t* xq, const float* xscale, const int8_t* q, const uint1
   int64_t t = begin;
 #if defined(__AVX512VNNI__)
   // two tiles side by side pay where the rows' products bound the time; with fewer rows the weight streams from
-  // memory, and one stream is faster (SmolLM2-135M's 49152 x 576 head from memory, AMD EPYC (AVX-512), 2 threads:
-  // 1 / 4 / 6 / 8 rows took 0.95 / 1.00 / 1.33 / 1.77 ms one tile at a time, 1.32 / 1.30 / 1.34 / 1.59 two)
+  // memory, and one stream is faster (SmolLM2-135M's 49152 x 576 head from memory, AMD EPYC (AVX-512), 2 threads,
+  // both codes timed side by side once: 1 / 4 / 6 / 8 rows took 0.95 / 1.00 / 1.33 / 1.77 ms one tile at a time,
+  // 1.32 / 1.30 / 1.34 / 1.59 two)
   if constexpr (M >= 6)
     for (; t + 2 <= end; t += 2) q8_tile_pair<M>(xq, xscale, q, scales, K, N, t, y);
 #endif
