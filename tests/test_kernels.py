@@ -378,16 +378,18 @@ def test_cache_attention_of_a_query_does_not_depend_on_anything_it_does_not_see(
 
 @needs_attention_kernel
 @pytest.mark.parametrize("d", [64, 128])
-def test_cache_attention_of_many_queries_is_each_query_alone(d):
+@pytest.mark.parametrize("heads,nq", [(8, 6), (6, 1), (6, 2)])
+def test_cache_attention_of_many_queries_is_each_query_alone(d, heads, nq):
     # a verify block's queries over a long cache that they all see (the kernel then weighs each value row into
-    # four queries at once) give each query's attention computed alone, bit for bit; one query skips a key
+    # two to four rows at once: a key/value head's query heads times the queries, split between the threads) give
+    # each query's attention computed alone, bit for bit; one query skips a key
     g = torch.Generator().manual_seed(3)
-    heads, kv_heads, nq, T = 8, 2, 6, 90
+    kv_heads, T = 2, 90
     q = torch.randn(1, heads, nq, d, generator=g)
     k, v = (torch.randn(1, kv_heads, T, d, generator=g).bfloat16() for _ in range(2))
     visible = torch.ones(1, nq, T, dtype=torch.bool)
     visible[0, torch.arange(nq)[:, None], T - nq + torch.arange(nq)] = torch.ones(nq, nq).tril().bool()
-    visible[0, 4, 33] = False
+    visible[0, min(4, nq - 1), 33] = False
     out = torch.ops.dflash_attn.cache_attention(q, k, v, visible, d ** -0.5)
     for h in range(heads):
         kv = h // (heads // kv_heads)
