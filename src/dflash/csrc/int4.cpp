@@ -101,7 +101,7 @@ inline __m256i fp32x16_to_bf16(__m512 v) {
 // One tile (16 outputs) for M rows, group by group and octet by octet. Per row m and group g: xscale, and
 // xoff = xscale * sum(xq).
 template <int M>
-void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
+void tile_rows(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q,
                 const uint16_t* scales, int64_t K, int64_t N, int64_t tile, uint16_t* y) {
   const int64_t groups = K / kGroup, octets = K / 8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -132,18 +132,6 @@ void tile_block(const int8_t* xq, const float* xscale, const float* xoff, const 
   }
   for (int m = 0; m < M; ++m)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + tile * kTile), fp32x16_to_bf16(acc[m]));
-}
-
-// Tiles [begin, end) for M rows, one tile after the other: the weight is one stream through memory. Taking
-// 2-8 tiles side by side (independent sums to hide vpdpbusd's latency) made as many streams, which the hardware
-// prefetcher follows worse: 30 layers of SmolLM2-135M's products, AMD EPYC (AVX-512), 2 threads, took 2.42 / 2.64 /
-// 2.73 ms for 1 / 2 / 4 rows one tile at a time against 2.96 / 3.07 / 3.35 with 8 / 4 / 2 tiles side by side, and
-// about 4.0 at 8 rows either way (benchmarks/linear_rows.py; the same bits: a row's arithmetic does not depend on
-// the grouping).
-template <int M>
-void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
-                int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
-  for (int64_t t = begin; t < end; ++t) tile_block<M>(xq, xscale, xoff, q, scales, K, N, t, y);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
@@ -367,18 +355,23 @@ void tile_rows(const int8_t* xq, const float* xscale, const float* xoff, const u
       _mm_storeu_si128(reinterpret_cast<__m128i*>(y + m * N + tile * kTile + h * 8), fp32x8_to_bf16(acc[m][h]));
 }
 
-// Tiles [begin, end) for M rows, all in one pass: the sums of the rows beyond what the registers hold cost less in
-// spills than more passes over the slabs (passes of 2, 3 or 4 rows took 3-14% longer at 4-8 rows, AMD EPYC AVX2,
-// 2 threads). Each row's arithmetic is the same whatever M.
+#else
+#error "dflash's int4 kernel needs AVX-512 VNNI, or AVX2 with FMA and F16C"
+#endif
+
+// Tiles [begin, end) for M rows (tile_rows of the build), one tile after the other and all the rows in one pass.
+// One tile at a time, the weight is one stream through memory: the VNNI code took 2-8 tiles side by side once
+// (independent sums to hide vpdpbusd's latency), as many streams, which the hardware prefetcher follows worse (30
+// layers of SmolLM2-135M's products, AMD EPYC (AVX-512), 2 threads: 2.42 / 2.64 / 2.73 ms for 1 / 2 / 4 rows one tile
+// at a time against 2.96 / 3.07 / 3.35 with 8 / 4 / 2 tiles side by side, about 4.0 at 8 rows either way;
+// benchmarks/linear_rows.py). All the rows in one pass: the sums of the rows beyond what the registers hold cost the
+// AVX2 code less in spills than more passes over the slabs (passes of 2, 3 or 4 rows took 3-14% longer at 4-8 rows,
+// AMD EPYC AVX2, 2 threads). Each row's arithmetic is the same whatever M and the grouping, so the same bits.
 template <int M>
 void rows_block(const int8_t* xq, const float* xscale, const float* xoff, const uint8_t* q, const uint16_t* scales,
                 int64_t K, int64_t N, int64_t begin, int64_t end, uint16_t* y) {
   for (int64_t t = begin; t < end; ++t) tile_rows<M>(xq, xscale, xoff, q, scales, K, N, t, y);
 }
-
-#else
-#error "dflash's int4 kernel needs AVX-512 VNNI, or AVX2 with FMA and F16C"
-#endif
 
 // Each row's inputs to int8 per group of 32 (Q8_1's scheme): q = round(x * 127 / amax), scale = amax / 127, and
 // off = scale * sum(q) (what a weight's offset multiplies). Row by row: a row's values do not depend on the others.
