@@ -87,6 +87,32 @@ def earlier_stages(card: Path) -> tuple[list[str], int, float]:
     return lines, int(total.group(1)), float(total.group(2))
 
 
+def section(text: str, title: str) -> list[str]:
+    """The lines of a card's `## title` section (without its heading and trailing blank lines)."""
+    lines = text.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line == f"## {title}"), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    body = lines[start:end]
+    while body and not body[-1].strip():
+        body.pop()
+    return body
+
+
+def merged_comparison(earlier: list[str], new: list[str]) -> list[str]:
+    """An earlier card's recipe comparison (header, rule, rows) followed by the rows of a new one, where the runs
+    it names are not in the earlier table already; the rows of runs no longer at hand so stay in the card.
+    Tables of other columns cannot be merged: an error."""
+    if not earlier:
+        return new
+    if new and earlier[0] != new[0]:
+        raise SystemExit("the earlier card's recipe comparison has other columns than this one: "
+                         f"{earlier[0]!r} against {new[0]!r}")
+    names = {row.split("|")[1].strip() for row in earlier[2:]}
+    return earlier + [row for row in new[2:] if row.split("|")[1].strip() not in names]
+
+
 def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--train", required=True, action="append",
@@ -136,8 +162,7 @@ def main():
         "",
         "## Data",
         *data_lines,
-        f"- Training splits and prompt sets only. Training used {first['train_records']} of them and held out "
-        f"{first['eval_records']}.",
+        "- Training splits and prompt sets only; each stage below says how many of these answers it trained on.",
         "",
         "## Draft",
         f"- {draft_cfg['num_hidden_layers']} draft layer(s), {shape}, target layers "
@@ -161,7 +186,7 @@ def main():
                 if schedule.get("max_hours") else
                 f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
         lines.append(
-            f"- Stage {i + 1}, from {start}: {loss}, "
+            f"- Stage {i + 1}, from {start}, on {c['train_records']} answers ({c['eval_records']} held out): {loss}, "
             f"{c['num_anchors']} anchors per sequence, lr {c['lr']} ({span}), max length {c['max_length']}: "
             f"{s['steps']} optimizer steps, "
             f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f} ({measured}).")
@@ -182,8 +207,12 @@ def main():
                   f"{cfg['max_new_tokens']} new tokens, {results['hardware']}. τ, and per block slot the share of "
                   "steps that accepted it among those that accepted every slot before it:", "",
                   format_table(results), "", "![per-slot acceptance](slot_acceptance.png)", ""]
-    if args.ablation:
-        lines += ["## Recipe comparison (`scripts/ablation_table.py`)", *ablation_lines(Path(args.ablation)), ""]
+    # the earlier card's comparison rows stay: the runs behind them may be gone (another machine, an older stop)
+    title = "Recipe comparison (`scripts/ablation_table.py`)"
+    comparison = merged_comparison(section(Path(args.earlier_card).read_text(), title) if args.earlier_card else [],
+                                   ablation_lines(Path(args.ablation)) if args.ablation else [])
+    if comparison:
+        lines += [f"## {title}", *comparison, ""]
     lines += ["## Benchmark (`dflash bench`)", "```", table, "```", ""]
     Path(args.out).write_text("\n".join(lines))
 

@@ -50,7 +50,7 @@ def test_card_adds_up_sittings_and_stages(tmp_path):
     card = _card("--train", f"{one}:20", "--train", two, "--data", paths["data"], "--bench", paths["bench"],
                  "--out", tmp_path / "card.md")
     assert "2 answers (5 answer tokens)" in card and "prompt sets gsm8k:train, self-prompts." in card  # no local paths
-    assert "Stage 1, from a fresh draft" in card and "20 optimizer steps, 0.33 h" in card
+    assert "Stage 1, from a fresh draft, on 9 answers (1 held out)" in card and "20 optimizer steps, 0.33 h" in card
     assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h" in card
     assert "held-out tau 1.90 (1 held-out training answers)" in card and "In all 30 steps and 0.83 h of training" in card
     assert "dataset method" in card and '{"json"' not in card
@@ -73,6 +73,35 @@ def test_card_carries_over_the_stages_of_an_earlier_card(tmp_path):
     assert "Stage 2, from the previous stage" in card and "held-out tau 2.00" in card
     assert "In all 70 steps and 1.58 h of training" in card
     assert "proposals from the 12 most frequent answer tokens" in card  # the vocabulary it kept, not --draft-vocab-size
+
+
+def _ablation(path: Path, *runs: tuple[str, float]) -> Path:
+    path.write_text(json.dumps([
+        {"run": run, "data": 9, "depth": 1, "kv": 3, "block": 8, "gamma": 3.27, "anchors": 32, "start": "fresh",
+         "lr": 6e-4, "hours": 1.0, "steps": 40, "tau": {"gsm8k": tau}, "mean_tau": tau, "evaluation": "evaluate 40×128"}
+        for run, tau in runs]))
+    return path
+
+
+def test_a_later_stage_keeps_the_earlier_cards_recipe_comparison(tmp_path):
+    paths = _inputs(tmp_path)
+    one = _run_folder(tmp_path / "one", sittings=[[(30, 900.0)]], tau=1.5)
+    first = _card("--train", one, "--data", paths["data"], "--bench", paths["bench"], "--ablation",
+                  _ablation(tmp_path / "a1.json", ("r0", 1.5), ("r1", 1.7)), "--out", tmp_path / "first.md")
+    two = _run_folder(tmp_path / "two", sittings=[[(40, 3600.0)]], tau=2.0)
+    # the runs behind r0 and r1 are gone; the new comparison repeats r1 and adds s2
+    card = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench",
+                 paths["bench"], "--ablation", _ablation(tmp_path / "a2.json", ("r1", 1.7), ("s2", 2.0)),
+                 "--out", tmp_path / "card.md")
+    def runs(text):
+        return [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ") and "| dflash |" in line]
+
+    assert runs(card) == ["r0", "r1", "s2"]
+    assert card.count("## Recipe comparison") == 1 and card.index("## Recipe comparison") < card.index("## Benchmark")
+    # without a new comparison the earlier one is kept as it was
+    kept = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench",
+                 paths["bench"], "--out", tmp_path / "kept.md")
+    assert runs(kept) == runs(first) == ["r0", "r1"]
 
 
 def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison(tmp_path):
