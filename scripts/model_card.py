@@ -189,10 +189,10 @@ def main():
             f"- Stage {i + 1}, from {start}, on {c['train_records']} answers ({c['eval_records']} held out): {loss}, "
             f"{c['num_anchors']} anchors per sequence, lr {c['lr']} ({span}), max length {c['max_length']}: "
             f"{s['steps']} optimizer steps, "
-            f"{s['wall'] / 3600:.2f} h of wall time, last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f} ({measured}).")
+            f"{s['wall'] / 3600:.2f} h of wall time on {c['threads']} thread(s), last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f} ({measured}).")
     total = before_hours + sum(s["wall"] for s in stages) / 3600
     lines += [f"- In all {before_steps + sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
-              f"(target dtype {first['dtype']}, {first['threads']} threads, {first['device'] or 'cpu'}).", ""]
+              f"(target dtype {first['dtype']}, {first['device'] or 'cpu'}).", ""]
     if args.evaluate:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
         import shutil

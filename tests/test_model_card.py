@@ -51,7 +51,7 @@ def test_card_adds_up_sittings_and_stages(tmp_path):
                  "--out", tmp_path / "card.md")
     assert "2 answers (5 answer tokens)" in card and "prompt sets gsm8k:train, self-prompts." in card  # no local paths
     assert "Stage 1, from a fresh draft, on 9 answers (1 held out)" in card and "20 optimizer steps, 0.33 h" in card
-    assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h" in card
+    assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h of wall time on 2 thread(s)" in card
     assert "held-out tau 1.90 (1 held-out training answers)" in card and "In all 30 steps and 0.83 h of training" in card
     assert "dataset method" in card and '{"json"' not in card
 
