@@ -51,7 +51,7 @@ dflash train --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --out
     --threads "$THREADS" --resume
 
 # 2b. a second stage, a new run from the first's draft: the greedy answers (not the sampled ones) once more at half
-#     the learning rate, a cosine over 1376 steps. The shipped draft's (arm l3 of stop 63: 1376 steps in 0.8 h on one
+#     the learning rate, a cosine over 1376 steps. The shipped draft's (arm l3 of stop 63: 1376 steps in 0.81 h on one
 #     thread of an AMD EPYC with AVX-512, beside arm l4, the same grown to 4 layers, which reached the same tau) raised
 #     held-out tau on every test set: mean 1.97 -> 2.03 (`dflash evaluate`, 40 x 128, block 8, both on that machine)
 STAGE2="$WORK/stage2"

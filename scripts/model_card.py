@@ -77,13 +77,23 @@ def ablation_lines(path: Path) -> list[str]:
     return table_lines(json.loads(path.read_text()))
 
 
-def earlier_stages(card: Path) -> tuple[list[str], int, float]:
-    """The stage lines of a draft's card, and its total optimizer steps and hours of training."""
-    text = card.read_text()
+def earlier_stages(text: str, card: Path) -> tuple[list[str], int, float]:
+    """The stage lines of a draft's card (its text), and its total optimizer steps and hours of training. A card
+    from before the stage lines said what they trained on says it of its first stage in its data section: that
+    count moves into the first stage's line (and its threads into every stage's)."""
     lines = [line for line in text.splitlines() if line.startswith("- Stage ")]
     total = re.search(r"^- In all (\d+) steps and ([\d.]+) h of training", text, re.M)
     if not lines or total is None:
         raise SystemExit(f"{card} has no training stages to carry over")
+    used = re.search(r"Training used (\d+) of them and held out (\d+)\.", text)
+    if used is not None:
+        lines[0] = re.sub(r"^(- Stage 1, from [^:]*):", rf"\1, on {used.group(1)} answers ({used.group(2)} held out):",
+                          lines[0])
+    # and its threads, for all its stages, in its total line
+    threads = re.search(r"^- In all .* training \(target dtype [^,]*, (\d+) threads,", text, re.M)
+    if threads is not None:
+        lines = [re.sub(r" h of wall time(?! on)", f" h of wall time on {threads.group(1)} thread(s)", line)
+                 for line in lines]
     return lines, int(total.group(1)), float(total.group(2))
 
 
@@ -126,7 +136,8 @@ def main():
     ap.add_argument("--ablation", help="scripts/ablation_table.py's ablation.json: the recipe comparison")
     args = ap.parse_args()
     stages = [stage(s) for s in args.train]
-    before, before_steps, before_hours = earlier_stages(Path(args.earlier_card)) if args.earlier_card else ([], 0, 0.0)
+    earlier = Path(args.earlier_card).read_text() if args.earlier_card else ""
+    before, before_steps, before_hours = earlier_stages(earlier, Path(args.earlier_card)) if earlier else ([], 0, 0.0)
     first = stages[0]["cfg"]
     data_lines, n_samples, n_tokens = [], 0, 0
     for folder in map(Path, args.data):
@@ -209,8 +220,7 @@ def main():
                   format_table(results), "", "![per-slot acceptance](slot_acceptance.png)", ""]
     # the earlier card's comparison rows stay: the runs behind them may be gone (another machine, an older stop)
     title = "Recipe comparison (`scripts/ablation_table.py`)"
-    comparison = merged_comparison(section(Path(args.earlier_card).read_text(), title) if args.earlier_card else [],
-                                   ablation_lines(Path(args.ablation)) if args.ablation else [])
+    comparison = merged_comparison(section(earlier, title), ablation_lines(Path(args.ablation)) if args.ablation else [])
     if comparison:
         lines += [f"## {title}", *comparison, ""]
     lines += ["## Benchmark (`dflash bench`)", "```", table, "```", ""]

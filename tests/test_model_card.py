@@ -75,6 +75,22 @@ def test_card_carries_over_the_stages_of_an_earlier_card(tmp_path):
     assert "proposals from the 12 most frequent answer tokens" in card  # the vocabulary it kept, not --draft-vocab-size
 
 
+def test_an_older_cards_answer_count_moves_into_its_first_stage(tmp_path):
+    paths = _inputs(tmp_path)
+    # a card written before the stage lines named their answers: its data section did, for its first stage
+    (tmp_path / "old.md").write_text(
+        "## Data\n- Training splits and prompt sets only. Training used 18372 of them and held out 8.\n\n"
+        "## Training\n- Stage 1, from a fresh draft: block size 8, 4592 optimizer steps, 1.88 h of wall time.\n"
+        "- In all 4592 steps and 1.88 h of training (target dtype auto, 2 threads, cpu).\n")
+    two = _run_folder(tmp_path / "two", sittings=[[(40, 3600.0)]], tau=2.0)
+    card = _card("--train", two, "--earlier-card", tmp_path / "old.md", "--data", paths["data"],
+                 "--bench", paths["bench"], "--out", tmp_path / "card.md")
+    assert card.splitlines()[card.splitlines().index("## Training") + 1] == (
+        "- Stage 1, from a fresh draft, on 18372 answers (8 held out): block size 8, 4592 optimizer steps, 1.88 h of "
+        "wall time on 2 thread(s).")
+    assert "Stage 2, from the previous stage, on 9 answers (1 held out)" in card
+
+
 def _ablation(path: Path, *runs: tuple[str, float]) -> Path:
     path.write_text(json.dumps([
         {"run": run, "data": 9, "depth": 1, "kv": 3, "block": 8, "gamma": 3.27, "anchors": 32, "start": "fresh",
