@@ -47,9 +47,17 @@ def run_row(arg: str) -> dict:
             "distill": cfg.get("distill", 0.0),
             # what the hours bought: the target run live or its features read from a cache, the step compiled or not
             "step_kind": ("cached" if cfg.get("features") else "live") + (", compiled" if cfg.get("compile") else ""),
-            "start": "target layers" if cfg.get("init_from_target") else (cfg.get("init_draft") or "fresh"),
+            "start": "target layers" if cfg.get("init_from_target") else start_name(cfg.get("init_draft")),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
+
+
+def start_name(init_draft: str | None) -> str:
+    """A run started from another run's draft (<run>/final) is named by that run, as the table names runs."""
+    if not init_draft:
+        return "fresh"
+    p = Path(init_draft)
+    return p.parent.name if p.name == "final" else init_draft
 
 
 def kv_heads(folder: Path) -> int | str:

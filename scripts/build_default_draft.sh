@@ -50,18 +50,27 @@ dflash train --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --out
     --max-length 1536 --compile --autocast auto --eval-interval 1000 --save-interval 100 --save-dtype bfloat16 \
     --threads "$THREADS" --resume
 
-# 2b. a second stage, a new run from the first's draft: the greedy answers (not the sampled ones) once more at half
-#     the learning rate, a cosine over 1376 steps. The shipped draft's (arm l3 of stop 63: 1376 steps in 0.81 h on one
-#     thread of an AMD EPYC with AVX-512, beside arm l4, the same grown to 4 layers, which reached the same tau) raised
-#     held-out tau on every test set: mean 1.97 -> 2.03 (`dflash evaluate`, 40 x 128, block 8, both on that machine)
+# 2b, 2c. later stages: each a new run from the stage before's fp32 draft over the named answer folders, a cosine
+#     from its own peak over a fixed step count (the counts the shipped runs took, so a rebuild on any machine has
+#     their schedule). Stage 2 is arm l3 of stop 63: the greedy answers once more at half the learning rate, 1376
+#     steps in 0.81 h on one thread of an AMD EPYC with AVX-512, beside arm l4, the same grown to 4 layers, which
+#     reached the same tau; held-out mean tau 1.97 -> 2.03 (`dflash evaluate`, 40 x 128, block 8, that machine).
+#     Stage 3 is arm stage3-b of stop 64: all four folders at stage 2's learning rate, 2890 steps in 1.55 h on one
+#     thread of that EPYC, beside arm stage3-a at half that rate (2.09); mean tau 2.03 -> 2.10
+stage() {  # output, draft to start from, peak lr, schedule steps, seed, save dtype, answer folders...
+    local out=$1 init=$2 lr=$3 steps=$4 seed=$5 dtype=$6; shift 6
+    local data=() cache=()
+    for f in "$@"; do data+=(data/"$MODEL"/"$f"); cache+=("$WORK/features/$f"); done
+    dflash train --target "$MODEL" --data "${data[@]}" --features "${cache[@]}" --output "$out" --init-draft "$init" \
+        --num-target-features "$FEATURES" --num-kv-heads 9 --block-size "$BLOCK" --num-anchors 32 --batch-size 8 \
+        --lr "$lr" --warmup 0.02 --epochs 2 --schedule-steps "$steps" --max-length 1536 --compile --autocast auto \
+        --eval-interval 500 --save-interval 100 --save-dtype "$dtype" --seed "$seed" --threads "$THREADS" --resume
+}
 STAGE2="$WORK/stage2"
-S2=(); S2CACHE=()
-for f in ${STAGE2_FOLDERS:-first rest self-answers}; do S2+=(data/"$MODEL"/"$f"); S2CACHE+=("$WORK/features/$f"); done
-dflash train --target "$MODEL" --data "${S2[@]}" --features "${S2CACHE[@]}" --output "$STAGE2" --init-draft "$TRAIN/final" \
-    --num-target-features "$FEATURES" --num-kv-heads 9 --block-size "$BLOCK" --num-anchors 32 --batch-size 8 \
-    --lr 3e-4 --warmup 0.02 --epochs 1 --schedule-steps 1376 --max-length 1536 --compile --autocast auto \
-    --eval-interval 500 --save-interval 100 --save-dtype bfloat16 --seed 1 --threads "$THREADS" --resume
-FINAL="$STAGE2/final"
+STAGE3="$WORK/stage3"
+stage "$STAGE2" "$TRAIN/final" 3e-4 1376 1 float32 first rest self-answers
+stage "$STAGE3" "$STAGE2/final" 3e-4 2890 2 bfloat16 first rest self-answers sampled-1
+FINAL="$STAGE3/final"
 
 # 3. held-out tau and per-slot acceptance (40 prompts x 128 tokens of each test set), and the speed-up, measured
 #    side by side with plain decoding
@@ -76,5 +85,5 @@ mkdir -p "$SHIP"
 cp "$FINAL/model.safetensors" "$FINAL/config.json" "$SHIP/"
 CARD=(); for d in "${ALL[@]}"; do CARD+=(--data "$d"); done
 [ -n "${ABLATION:-}" ] && CARD+=(--ablation "$ABLATION")
-python scripts/model_card.py --train "$TRAIN" --train "$STAGE2" "${CARD[@]}" --bench "$WORK/bench" --evaluate "$WORK/evaluate" \
+python scripts/model_card.py --train "$TRAIN" --train "$STAGE2" --train "$STAGE3" "${CARD[@]}" --bench "$WORK/bench" --evaluate "$WORK/evaluate" \
     --out "$SHIP/README.md"

@@ -857,6 +857,10 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| one | dflash | 44 | 1 | 2 | 8 |" in out and "held-out" in out.splitlines()[0]  # the tiny target's 2 kv heads
     assert "| two | dflash | 44 | 2 | 2 | 8 |" in out and out.count("| live |") == 2
+    # a later stage started from another run's draft names that run, as the run column does
+    assert [r["start"] for r in rows] == ["fresh", "fresh"]
+    assert ablation_table.start_name(str(tmp_path / "one" / "final")) == "one"
+    assert ablation_table.start_name("src/dflash/drafts/m") == "src/dflash/drafts/m"
     assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"
 
     # a run paired with a `dflash evaluate` of its draft takes τ from that evaluation instead of its log
