@@ -563,6 +563,8 @@ target, tok = trained_target(), make_tokenizer()
 train(TrainConfig(target="structured", data=[{data!r}], output={out!r}, block_size=8, num_anchors=32, epochs=1,
                   max_steps=6, lr=3e-3, eval_samples=4, eval_interval=10_000, save_interval=10_000, log_interval=2,
                   dtype="float32", mask_token_id=38, batch_size={bs}), target=target, tokenizer=tok, progress=False)
+import torch.distributed as dist
+assert not dist.is_initialized()  # the group train() made is gone before the interpreter's exit tears it down
 """
 
 

@@ -484,6 +484,22 @@ def held_out_prompts(records: list[dict]) -> list[list[int]]:
 
 
 def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = True) -> dict:
+    """Trains a draft as `cfg` says (resuming from its latest checkpoint with --resume); under torchrun each
+    process trains its share of every global batch. Returns the last step, held-out τ and the output folder."""
+    import torch.distributed as dist
+
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    _, world = _dist()
+    try:
+        return _train(cfg, target=target, tokenizer=tokenizer, progress=progress)
+    finally:
+        # a process group left to the interpreter's exit can abort a rank in gloo's teardown ("terminate called
+        # without an active exception") after the training itself succeeded
+        if owns_group and world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from .evaluate import EvalConfig, encoded_eval_sets, evaluate_draft
