@@ -25,12 +25,15 @@ FEATURES="${FEATURES:-3}"                    # target layers tapped
 EPOCHS="${EPOCHS:-2}"                        # about 2300 steps each
 SHIP="src/dflash/drafts/$MODEL"
 # FOLDERS picks answer folders (the shipped draft: all four, 3 layers, 2 epochs, 1.9 h on 2 threads of an AVX-512
-# Xeon, then the second stage below; the one-layer draft before it, 3 epochs in 1.2 h, reached a lower tau on every
+# Xeon, then the later stages below; the one-layer draft before it, 3 epochs in 1.2 h, reached a lower tau on every
 # test set)
 FOLDERS="${FOLDERS:-first rest self-answers sampled-1}"
 ALL=(); for f in $FOLDERS; do ALL+=(data/"$MODEL"/"$f"); done
 CACHE=(); for d in "${ALL[@]}"; do CACHE+=("$WORK/features/$(basename "$d")"); done
 mkdir -p "$WORK"
+# what every training stage shares: the draft's shape around the target, its batches, the compiled bf16 step
+COMMON=(--target "$MODEL" --num-target-features "$FEATURES" --num-kv-heads 9 --block-size "$BLOCK" --num-anchors 32
+    --batch-size 8 --max-length 1536 --compile --autocast auto --save-interval 100 --threads "$THREADS" --resume)
 
 # 1. the target's states at the tapped layers for every answer, in bf16, with its top 32 tokens after every position
 #    (7% more disk; what a distillation arm, --distill, reads). A new folder is made by the default runtime (the
@@ -44,27 +47,24 @@ dflash features --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --
 #    the ablation arms: steps 20-50 of these flags at 3 layers took 0.90 s each against 1.16 in fp32 on 2 threads of
 #    an AVX-512 (AMX) Xeon; fp32 elsewhere
 TRAIN="$WORK/train"
-dflash train --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --output "$TRAIN" \
-    --num-layers "$LAYERS" --num-target-features "$FEATURES" --num-kv-heads 9 --block-size "$BLOCK" \
-    --num-anchors 32 --batch-size 8 --lr 6e-4 --warmup 0.04 --epochs "$EPOCHS" --draft-vocab-size 8192 \
-    --max-length 1536 --compile --autocast auto --eval-interval 1000 --save-interval 100 --save-dtype bfloat16 \
-    --threads "$THREADS" --resume
+dflash train "${COMMON[@]}" --data "${ALL[@]}" --features "${CACHE[@]}" --output "$TRAIN" --num-layers "$LAYERS" \
+    --lr 6e-4 --warmup 0.04 --epochs "$EPOCHS" --draft-vocab-size 8192 --eval-interval 1000 --save-dtype bfloat16
 
-# 2b, 2c. later stages: each a new run from the stage before's fp32 draft over the named answer folders, a cosine
+# 2b, 2c. later stages: each a new run from the stage before's draft over the named answer folders, a cosine
 #     from its own peak over a fixed step count (the counts the shipped runs took, so a rebuild on any machine has
 #     their schedule). Stage 2 is arm l3 of stop 63: the greedy answers once more at half the learning rate, 1376
 #     steps in 0.81 h on one thread of an AMD EPYC with AVX-512, beside arm l4, the same grown to 4 layers, which
 #     reached the same tau; held-out mean tau 1.97 -> 2.03 (`dflash evaluate`, 40 x 128, block 8, that machine).
 #     Stage 3 is arm stage3-b of stop 64: all four folders at stage 2's learning rate, 2890 steps in 1.55 h on one
-#     thread of that EPYC, beside arm stage3-a at half that rate (2.09); mean tau 2.03 -> 2.10
+#     thread of that EPYC, beside arm stage3-a at half that rate (2.09); mean tau 2.03 -> 2.10. Stage 2 starts from
+#     stage 1's bf16 export and saves fp32 for stage 3, as the shipped runs did
 stage() {  # output, draft to start from, peak lr, schedule steps, seed, save dtype, answer folders...
     local out=$1 init=$2 lr=$3 steps=$4 seed=$5 dtype=$6; shift 6
     local data=() cache=()
     for f in "$@"; do data+=(data/"$MODEL"/"$f"); cache+=("$WORK/features/$f"); done
-    dflash train --target "$MODEL" --data "${data[@]}" --features "${cache[@]}" --output "$out" --init-draft "$init" \
-        --num-target-features "$FEATURES" --num-kv-heads 9 --block-size "$BLOCK" --num-anchors 32 --batch-size 8 \
-        --lr "$lr" --warmup 0.02 --epochs 2 --schedule-steps "$steps" --max-length 1536 --compile --autocast auto \
-        --eval-interval 500 --save-interval 100 --save-dtype "$dtype" --seed "$seed" --threads "$THREADS" --resume
+    dflash train "${COMMON[@]}" --data "${data[@]}" --features "${cache[@]}" --output "$out" --init-draft "$init" \
+        --lr "$lr" --warmup 0.02 --epochs 2 --schedule-steps "$steps" --eval-interval 500 --save-dtype "$dtype" \
+        --seed "$seed"
 }
 STAGE2="$WORK/stage2"
 STAGE3="$WORK/stage3"
@@ -85,5 +85,5 @@ mkdir -p "$SHIP"
 cp "$FINAL/model.safetensors" "$FINAL/config.json" "$SHIP/"
 CARD=(); for d in "${ALL[@]}"; do CARD+=(--data "$d"); done
 [ -n "${ABLATION:-}" ] && CARD+=(--ablation "$ABLATION")
-python scripts/model_card.py --train "$TRAIN" --train "$STAGE2" --train "$STAGE3" "${CARD[@]}" --bench "$WORK/bench" --evaluate "$WORK/evaluate" \
-    --out "$SHIP/README.md"
+python scripts/model_card.py --train "$TRAIN" --train "$STAGE2" --train "$STAGE3" "${CARD[@]}" --bench "$WORK/bench" \
+    --evaluate "$WORK/evaluate" --out "$SHIP/README.md"

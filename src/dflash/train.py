@@ -489,9 +489,9 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
     import torch.distributed as dist
 
     owns_group = not (dist.is_available() and dist.is_initialized())
-    _, world = _dist()
+    rank, world = _dist()
     try:
-        return _train(cfg, target=target, tokenizer=tokenizer, progress=progress)
+        return _train(cfg, rank, world, target=target, tokenizer=tokenizer, progress=progress)
     finally:
         # a process group left to the interpreter's exit can abort a rank in gloo's teardown ("terminate called
         # without an active exception") after the training itself succeeded
@@ -499,7 +499,7 @@ def train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tru
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = True) -> dict:
+def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=None, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     from .evaluate import EvalConfig, encoded_eval_sets, evaluate_draft
@@ -508,7 +508,6 @@ def _train(cfg: TrainConfig, *, target=None, tokenizer=None, progress: bool = Tr
     from .prompts import pad_id_for
     from .dataset import read_dataset
 
-    rank, world = _dist()
     is_main = rank == 0
     out = Path(cfg.output)
     if cfg.method not in DRAFT_METHODS:
