@@ -71,6 +71,8 @@ STAGE3="$WORK/stage3"
 stage "$STAGE2" "$TRAIN/final" 3e-4 1376 1 float32 first rest self-answers
 stage "$STAGE3" "$STAGE2/final" 3e-4 2890 2 bfloat16 first rest self-answers sampled-1
 FINAL="$STAGE3/final"
+# the runs that made FINAL, in order: the peer (build_eagle3_draft.sh) gets their hours added up
+printf '%s\n' "$TRAIN" "$STAGE2" "$STAGE3" > "$WORK/stages.txt"
 
 # 3. held-out tau and per-slot acceptance (40 prompts x 128 tokens of each test set), and the speed-up, measured
 #    side by side with plain decoding
@@ -85,5 +87,6 @@ mkdir -p "$SHIP"
 cp "$FINAL/model.safetensors" "$FINAL/config.json" "$SHIP/"
 CARD=(); for d in "${ALL[@]}"; do CARD+=(--data "$d"); done
 [ -n "${ABLATION:-}" ] && CARD+=(--ablation "$ABLATION")
-python scripts/model_card.py --train "$TRAIN" --train "$STAGE2" --train "$STAGE3" "${CARD[@]}" --bench "$WORK/bench" \
+TRAINS=(); while read -r run; do TRAINS+=(--train "$run"); done < "$WORK/stages.txt"
+python scripts/model_card.py "${TRAINS[@]}" "${CARD[@]}" --bench "$WORK/bench" \
     --evaluate "$WORK/evaluate" --out "$SHIP/README.md"

@@ -7,10 +7,11 @@
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_eagle3_draft.sh
 #
-# Equal compute: the peer's cosine schedule is sized (--max-hours) to the wall-clock hours the DFlash run took
-# (its log's, every sitting added up), on the same data and feature cache, in the same precision (--autocast auto);
-# HOURS=H overrides that. Train both on the same machine: hours on two machines are not the same compute. The peer
-# drafts a chain of CHAIN tokens, verified at width CHAIN+1 as DFlash's block of 8.
+# Equal compute: the peer's cosine schedule is sized (--max-hours) to the wall-clock hours the DFlash draft took
+# (every stage build_default_draft.sh trained, every sitting of each added up), on the same data and feature cache,
+# in the same precision (--autocast auto), on THREADS threads as those; HOURS=H overrides that. Train both on the
+# same machine: hours on two machines are not the same compute. The peer drafts a chain of CHAIN tokens, verified
+# at width CHAIN+1 as DFlash's block of 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
@@ -23,11 +24,12 @@ FOLDERS="${FOLDERS:-first rest self-answers sampled-1}"   # as build_default_dra
 SHIP="src/dflash/drafts/$MODEL-eagle3"
 ALL=(); for f in $FOLDERS; do ALL+=(data/"$MODEL"/"$f"); done
 CACHE=(); for d in "${ALL[@]}"; do CACHE+=("$WORK/features/$(basename "$d")"); done
-DFLASH_RUN="$WORK/train"
-[ -f "$DFLASH_RUN/log.jsonl" ] || { echo "build_eagle3_draft.sh: no DFlash run at $DFLASH_RUN (run build_default_draft.sh)" >&2; exit 2; }
-HOURS="${HOURS:-$(cd scripts && python -c "from model_card import stage; \
-print(round(stage('../$DFLASH_RUN')['wall'] / 3600, 3))")}"
-echo "build_eagle3_draft.sh: the peer trains for the DFlash run's $HOURS h" >&2
+DFLASH_EVAL="$WORK/evaluate"                 # the DFlash draft's held-out evaluation (build_default_draft.sh's)
+[ -f "$WORK/stages.txt" ] && [ -f "$DFLASH_EVAL/results.json" ] || {
+    echo "build_eagle3_draft.sh: no finished DFlash draft in $WORK (run build_default_draft.sh)" >&2; exit 2; }
+HOURS="${HOURS:-$(PYTHONPATH=scripts python -c "import sys; from model_card import stage; \
+print(round(sum(stage(run)['wall'] for run in sys.argv[1:]) / 3600, 3))" $(cat "$WORK/stages.txt"))}"
+echo "build_eagle3_draft.sh: the peer trains for the DFlash draft's $HOURS h" >&2
 
 PEER="$WORK/eagle3"
 dflash train --method eagle3 --target "$MODEL" --data "${ALL[@]}" --features "${CACHE[@]}" --output "$PEER" \
@@ -35,12 +37,10 @@ dflash train --method eagle3 --target "$MODEL" --data "${ALL[@]}" --features "${
     --epochs 3 --max-hours "$HOURS" --draft-vocab-size 8192 --max-length 1536 --compile --autocast auto \
     --eval-interval 1000 --save-interval 100 --save-dtype bfloat16 --threads "$THREADS" --resume
 
-# the same held-out evaluation for both (40 prompts x 128 tokens of each test set, fixed width)
-for run in "$DFLASH_RUN" "$PEER"; do
-    [ -f "$run/evaluate/results.json" ] || dflash evaluate --draft "$run/final" --block-size "$((CHAIN + 1))" \
-        --topk "" --threads "$THREADS" --out "$run/evaluate"
-done
-python - "$DFLASH_RUN/evaluate/results.json" "$PEER/evaluate/results.json" <<'EOF'
+# the same held-out evaluation as the DFlash draft's (40 prompts x 128 tokens of each test set, fixed width)
+[ -f "$PEER/evaluate/results.json" ] || dflash evaluate --draft "$PEER/final" --block-size "$((CHAIN + 1))" \
+    --topk "" --threads "$THREADS" --out "$PEER/evaluate"
+python - "$DFLASH_EVAL/results.json" "$PEER/evaluate/results.json" <<'EOF'
 import json, sys
 ours, peer = (json.load(open(p))["datasets"] for p in sys.argv[1:])
 print("dataset      DFlash tau  peer tau  ratio")
