@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from model_card import stage  # noqa: E402  (a run's steps and wall time over all its sittings)
 
 
-def run_row(arg: str) -> dict:
+def run_row(arg: str, names: dict[Path, str] | None = None) -> dict:
+    """names: the table's name of each run folder (resolved), for the start column."""
     folder, _, evaluated = arg.partition("=")
     folder = Path(folder)
     s = stage(str(folder))
@@ -47,17 +48,20 @@ def run_row(arg: str) -> dict:
             "distill": cfg.get("distill", 0.0),
             # what the hours bought: the target run live or its features read from a cache, the step compiled or not
             "step_kind": ("cached" if cfg.get("features") else "live") + (", compiled" if cfg.get("compile") else ""),
-            "start": "target layers" if cfg.get("init_from_target") else start_name(cfg.get("init_draft")),
+            "start": "target layers" if cfg.get("init_from_target") else start_name(cfg.get("init_draft"), names),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
 
 
-def start_name(init_draft: str | None) -> str:
-    """A run started from another run's draft (<run>/final) is named by that run, as the table names runs."""
+def start_name(init_draft: str | None, names: dict[Path, str] | None = None) -> str:
+    """A run started from another run's draft (<run>/final) is named by that run: by the name the table gives
+    that folder where it is a row of the table too (a link to it names it), else by the folder's own name."""
     if not init_draft:
         return "fresh"
     p = Path(init_draft)
-    return p.parent.name if p.name == "final" else init_draft
+    if p.name != "final":
+        return init_draft
+    return (names or {}).get(p.parent.resolve(), p.parent.name)
 
 
 def kv_heads(folder: Path) -> int | str:
@@ -97,7 +101,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("runs", nargs="+", help="`dflash train` output folders, each optionally =its `dflash evaluate` folder")
     ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
     args = ap.parse_args(argv)
-    rows = [run_row(r) for r in args.runs]
+    names = {Path(r.partition("=")[0]).resolve(): Path(r.partition("=")[0]).name for r in args.runs}
+    rows = [run_row(r, names) for r in args.runs]
     print("\n".join(table_lines(rows)))
     if args.out:
         import matplotlib

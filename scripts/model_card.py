@@ -195,6 +195,7 @@ def main():
                     if c.get("eval_datasets") else f"{c['eval_records']} held-out training answers")
         span = (f"cosine over {schedule['total_steps']} steps, a {schedule['max_hours']} h budget"
                 if schedule.get("max_hours") else
+                f"cosine over {c['total_steps']} steps" if c.get("schedule_steps") else
                 f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
         lines.append(
             f"- Stage {i + 1}, from {start}, on {c['train_records']} answers ({c['eval_records']} held out): {loss}, "

@@ -46,12 +46,15 @@ def test_card_adds_up_sittings_and_stages(tmp_path):
     paths = _inputs(tmp_path)
     # stage 1 ran in two sittings (the clock restarts at 0) and was cut at step 20 for stage 2
     one = _run_folder(tmp_path / "one", sittings=[[(10, 600.0), (20, 1200.0)], [(30, 900.0)]], tau=1.5)
-    two = _run_folder(tmp_path / "two", sittings=[[(10, 1800.0)]], tau=1.9, lr=6e-4)
+    # stage 2's cosine spans a fixed step count (--schedule-steps), fewer than its 2 epochs' 30
+    two = _run_folder(tmp_path / "two", sittings=[[(10, 1800.0)]], tau=1.9, lr=6e-4, epochs=2, schedule_steps=10,
+                      total_steps=10)
     card = _card("--train", f"{one}:20", "--train", two, "--data", paths["data"], "--bench", paths["bench"],
                  "--out", tmp_path / "card.md")
     assert "2 answers (5 answer tokens)" in card and "prompt sets gsm8k:train, self-prompts." in card  # no local paths
     assert "Stage 1, from a fresh draft, on 9 answers (1 held out)" in card and "20 optimizer steps, 0.33 h" in card
     assert "Stage 2, from the previous stage" in card and "10 optimizer steps, 0.50 h of wall time on 2 thread(s)" in card
+    assert "lr 0.001 (cosine over 1 epoch(s) of 30 steps)" in card and "lr 0.0006 (cosine over 10 steps)" in card
     assert "held-out tau 1.90 (1 held-out training answers)" in card and "In all 30 steps and 0.83 h of training" in card
     assert "dataset method" in card and '{"json"' not in card
 
