@@ -101,7 +101,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("runs", nargs="+", help="`dflash train` output folders, each optionally =its `dflash evaluate` folder")
     ap.add_argument("--out", default=None, help="folder for ablation.png and ablation.json")
     args = ap.parse_args(argv)
-    names = {Path(r.partition("=")[0]).resolve(): Path(r.partition("=")[0]).name for r in args.runs}
+    folders = [Path(r.partition("=")[0]) for r in args.runs]
+    names = {f.resolve(): f.name for f in folders}
     rows = [run_row(r, names) for r in args.runs]
     print("\n".join(table_lines(rows)))
     if args.out:
