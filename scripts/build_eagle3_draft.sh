@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Trains the EAGLE-3-style peer for the default model at equal compute with the DFlash draft of
 # scripts/build_default_draft.sh (run that first: its answer folders, feature cache and training run are this
-# script's inputs), evaluates both on the same held-out sets, prints DFlash's tau over the peer's per set, ships
-# the peer beside the DFlash draft and benches every method on every dataset in one run.
+# script's inputs), evaluates it on the DFlash draft's held-out sets, ships the peer beside the DFlash draft,
+# benches every method on every dataset in one run and writes the peer's card, which holds per set DFlash's tau over
+# the peer's.
 # Rerunning resumes where it stopped, so the work can be spread over several sittings.
 #
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_eagle3_draft.sh
@@ -40,14 +41,6 @@ dflash train --method eagle3 --target "$MODEL" --data "${ALL[@]}" --features "${
 # the same held-out evaluation as the DFlash draft's (40 prompts x 128 tokens of each test set, fixed width)
 [ -f "$PEER/evaluate/results.json" ] || dflash evaluate --draft "$PEER/final" --block-size "$((CHAIN + 1))" \
     --topk "" --threads "$THREADS" --out "$PEER/evaluate"
-python - "$DFLASH_EVAL/results.json" "$PEER/evaluate/results.json" <<'EOF'
-import json, sys
-ours, peer = (json.load(open(p))["datasets"] for p in sys.argv[1:])
-print("dataset      DFlash tau  peer tau  ratio")
-for name in ours:
-    a, b = ours[name]["tau"], peer[name]["tau"]
-    print(f"{name:12s} {a:10.2f} {b:9.2f} {a / b:6.2f}")
-EOF
 
 mkdir -p "$SHIP"
 cp "$PEER/final/model.safetensors" "$PEER/final/config.json" "$SHIP/"
@@ -59,4 +52,5 @@ dflash bench --model "$MODEL" \
     --threads "$THREADS" --out "$WORK/bench-peers" | tee "$WORK/bench-peers/table.txt"
 CARD=(); for d in "${ALL[@]}"; do CARD+=(--data "$d"); done
 python scripts/model_card.py --train "$PEER" "${CARD[@]}" --bench "$WORK/bench-peers" --evaluate "$PEER/evaluate" \
-    --out "$SHIP/README.md"
+    --versus "the DFlash draft=$DFLASH_EVAL" --out "$SHIP/README.md"
+sed -n '/^## Against/,/^$/p' "$SHIP/README.md"   # per set the DFlash draft's tau over the peer's

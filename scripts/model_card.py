@@ -1,12 +1,14 @@
 """Writes the model card of a trained draft from its runs' own records (nothing typed by hand).
 
     python scripts/model_card.py --train RUN[:LAST_STEP] [--train FINE_TUNE ...] --data DATASET [--data ...] \
-        --bench BENCH_OUT [--evaluate EVALUATE_OUT] [--ablation ABLATION_JSON] --out CARD.md
+        --bench BENCH_OUT [--evaluate EVALUATE_OUT [--versus LABEL=EVALUATE_OUT ...]] [--ablation ABLATION_JSON] \
+        --out CARD.md
 
 Several --train runs are stages in order, each one starting from the previous (`--init-draft`); LAST_STEP
 says where a stage was cut (its checkpoint that the next stage started from). When the first run started from
 a shipped draft whose own runs are no longer at hand, --earlier-card takes that draft's card: its stages are
-carried over as it recorded them.
+carried over as it recorded them. --versus sets another draft's evaluation on the same held-out sets beside this
+one's, per set with the ratio of the two τ (the peer's card against the DFlash draft of equal training compute).
 """
 
 from __future__ import annotations
@@ -123,6 +125,26 @@ def merged_comparison(earlier: list[str], new: list[str]) -> list[str]:
     return earlier + [row for row in new[2:] if row.split("|")[1].strip() not in names]
 
 
+def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
+    """Another draft's held-out τ beside this one's (two `dflash evaluate` results.json), per set and as the ratio;
+    evaluations of other prompts, lengths or widths are not comparable: an error that names the difference."""
+    for key in ("num_prompts", "max_new_tokens"):
+        if ours["config"][key] != theirs["config"][key]:
+            raise SystemExit(f"--versus {label}: its evaluation ran {key}={theirs['config'][key]}, "
+                             f"this draft's {ours['config'][key]}")
+    if ours["block_size"] != theirs["block_size"]:
+        raise SystemExit(f"--versus {label}: its evaluation ran block {theirs['block_size']}, "
+                         f"this draft's {ours['block_size']}")
+    missing = sorted(set(ours["datasets"]) - set(theirs["datasets"]))
+    if missing:
+        raise SystemExit(f"--versus {label}: its evaluation lacks {', '.join(missing)}")
+    lines = [f"| dataset | τ, this draft | τ, {label} | {label} / this |", "|---|---|---|---|"]
+    for name, mine in ours["datasets"].items():
+        other = theirs["datasets"][name]["tau"]
+        lines.append(f"| {name} | {mine['tau']:.2f} | {other:.2f} | {other / mine['tau']:.2f}x |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--train", required=True, action="append",
@@ -133,8 +155,14 @@ def main():
     ap.add_argument("--out", required=True, help="where to write the card")
     ap.add_argument("--earlier-card", help="card of the draft the first --train run started from")
     ap.add_argument("--evaluate", help="a `dflash evaluate --out` folder: the held-out table and per-slot plot")
+    ap.add_argument("--versus", action="append", default=[], metavar="LABEL=EVALUATE_OUT",
+                    help="another draft's `dflash evaluate --out` folder on the same sets, set beside this one's")
     ap.add_argument("--ablation", help="scripts/ablation_table.py's ablation.json: the recipe comparison")
     args = ap.parse_args()
+    if args.versus and not args.evaluate:
+        ap.error("--versus compares with this draft's --evaluate: give it")
+    if any("=" not in v for v in args.versus):
+        ap.error("--versus takes LABEL=EVALUATE_OUT")
     stages = [stage(s) for s in args.train]
     earlier = Path(args.earlier_card).read_text() if args.earlier_card else ""
     before, before_steps, before_hours = earlier_stages(earlier, Path(args.earlier_card)) if earlier else ([], 0, 0.0)
@@ -219,6 +247,9 @@ def main():
                   f"{cfg['max_new_tokens']} new tokens, {results['hardware']}. τ, and per block slot the share of "
                   "steps that accepted it among those that accepted every slot before it:", "",
                   format_table(results), "", "![per-slot acceptance](slot_acceptance.png)", ""]
+        for label, _, folder in (v.partition("=") for v in args.versus):
+            theirs = json.loads((Path(folder) / "results.json").read_text())
+            lines += [f"## Against {label} (the same evaluation)", *versus_lines(results, label, theirs), ""]
     # the earlier card's comparison rows stay: the runs behind them may be gone (another machine, an older stop)
     title = "Recipe comparison (`scripts/ablation_table.py`)"
     comparison = merged_comparison(section(earlier, title), ablation_lines(Path(args.ablation)) if args.ablation else [])

@@ -158,3 +158,31 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     # a table from before the drafter, sequences/step, distill and step columns reads as the defaults it ran with
     assert ("| r0 | dflash | 9 | 1 | 3 | 8 | 3.27 | 512 | 1 | 0.0 | fresh | 0.0006 | live | 2.0 | 40 | 2.10 | 2.10 | "
             "evaluate 40×128, block 8 |") in card
+
+
+def _evaluation(folder: Path, taus: dict, num_prompts: int = 40) -> Path:
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({
+        "block_size": 8, "hardware": "a CPU", "config": {"num_prompts": num_prompts, "max_new_tokens": 128},
+        "datasets": {name: {"tau": tau, "slot_acceptance": [0.5], "steps": 10} for name, tau in taus.items()}}))
+    (folder / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
+    return folder
+
+
+def test_the_peers_card_sets_the_dflash_drafts_evaluation_beside_its_own(tmp_path):
+    paths = _inputs(tmp_path)
+    run = _run_folder(tmp_path / "peer", sittings=[[(30, 900.0)]], tau=1.5)
+    ours = _evaluation(tmp_path / "ours", {"gsm8k": 2.0, "mbpp": 1.6})
+    dflash = _evaluation(tmp_path / "dflash", {"gsm8k": 2.6, "mbpp": 2.4, "mt-bench": 2.0})
+    card = _card("--train", run, "--data", paths["data"], "--bench", paths["bench"], "--evaluate", ours,
+                 "--versus", f"DFlash={dflash}", "--out", tmp_path / "card.md")
+    assert "## Against DFlash (the same evaluation)" in card
+    assert "| gsm8k | 2.00 | 2.60 | 1.30x |" in card and "| mbpp | 1.60 | 2.40 | 1.50x |" in card
+    assert "mt-bench" not in card  # only the sets this draft was evaluated on
+    # another evaluation (fewer prompts, a set missing) is not comparable: an error naming the difference
+    for other, words in ((_evaluation(tmp_path / "short", {"gsm8k": 2.6, "mbpp": 2.4}, 20), "num_prompts=20"),
+                         (_evaluation(tmp_path / "part", {"gsm8k": 2.6}), "lacks mbpp")):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--train", run, "--data", str(paths["data"]), "--bench",
+                              str(paths["bench"]), "--evaluate", str(ours), "--versus", f"DFlash={other}", "--out",
+                              str(tmp_path / "bad.md")], capture_output=True, text=True)
+        assert out.returncode != 0 and words in out.stderr
