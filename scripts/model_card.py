@@ -127,14 +127,18 @@ def merged_comparison(earlier: list[str], new: list[str]) -> list[str]:
 
 def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
     """Another draft's held-out τ beside this one's (two `dflash evaluate` results.json), per set and as the ratio;
-    evaluations of other prompts, lengths or widths are not comparable: an error that names the difference."""
-    for key in ("num_prompts", "max_new_tokens"):
-        if ours["config"][key] != theirs["config"][key]:
-            raise SystemExit(f"--versus {label}: its evaluation ran {key}={theirs['config'][key]}, "
-                             f"this draft's {ours['config'][key]}")
-    if ours["block_size"] != theirs["block_size"]:
-        raise SystemExit(f"--versus {label}: its evaluation ran block {theirs['block_size']}, "
-                         f"this draft's {ours['block_size']}")
+    evaluations of other prompts, lengths, widths or prompt lookup are not comparable: an error that names the
+    difference."""
+    def settings(res: dict) -> dict:
+        c = res["config"]
+        return {"block_size": res["block_size"], "num_prompts": c["num_prompts"],
+                "max_new_tokens": c["max_new_tokens"], "prompts": c.get("prompts"),
+                "prompt_lookup": c.get("prompt_lookup", False)}
+
+    mine, other = settings(ours), settings(theirs)
+    for key in mine:
+        if mine[key] != other[key]:
+            raise SystemExit(f"--versus {label}: its evaluation ran {key}={other[key]}, this draft's {mine[key]}")
     missing = sorted(set(ours["datasets"]) - set(theirs["datasets"]))
     if missing:
         raise SystemExit(f"--versus {label}: its evaluation lacks {', '.join(missing)}")
