@@ -4,6 +4,8 @@
 #   rest/answers/  greedy answers to the other 6313 (continues ../shared/data/regen-smollm2, copied here)
 #   self-answers/  greedy answers to prompts the target wrote itself (self-prompts/: sampled user turns)
 #   sampled-1/     a second, sampled answer (temperature 0.8) to the first 3104 prompts
+#   code-complete/ greedy answers to MBPP's train tasks posed as HumanEval poses its tasks (mbpp:train-complete:
+#                  a stub to complete), and code-complete-s1/, -s2/: two sampled answers to each (temperature 0.8)
 # Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
 # Chunks already packed into data/smollm2-135m-instruct/<part>/ (committed, so they outlive runs/ and the machine)
 # are not answered again; keep them with `dflash pack runs/data/<part> -o data/smollm2-135m-instruct/<part>`.
@@ -34,3 +36,9 @@ dflash regenerate "$WORK/self-prompts" -o "$WORK/self-answers" --batch-size 32 "
 
 dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/sampled-1" --limit 3104 --batch-size 32 --temperature 0.8 \
     --seed 1 "${COMMON[@]}" $(kept sampled-1)
+
+dflash regenerate mbpp:train-complete -o "$WORK/code-complete" --batch-size 32 "${COMMON[@]}" $(kept code-complete)
+for seed in 1 2; do
+    dflash regenerate mbpp:train-complete -o "$WORK/code-complete-s$seed" --batch-size 32 --temperature 0.8 \
+        --seed "$seed" "${COMMON[@]}" $(kept code-complete-s$seed)
+done

