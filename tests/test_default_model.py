@@ -31,9 +31,10 @@ def test_fresh_draft_reproduces_plain_greedy_decoding():
     assert "Paris" in text
 
 
-# a guard against shipping a worse draft: on these three prompts the shipped drafts measured tau 1.58 (DFlash)
-# and 1.76 (the EAGLE-3-style peer); the goal for the DFlash draft is above 2, not reached yet
-@pytest.mark.parametrize("method,min_tau", [("dflash", 1.4), ("eagle3", 1.5)])
+# a guard against shipping a worse draft: on these three prompts the shipped drafts measured tau 2.64 (DFlash,
+# stage 6) and 1.98 (the EAGLE-3-style peer) in bf16 on an AMD EPYC with AVX-512 (stop 67); the bounds leave room
+# for CPUs whose kernels round differently
+@pytest.mark.parametrize("method,min_tau", [("dflash", 2.3), ("eagle3", 1.75)])
 def test_shipped_drafts_fit_and_accept_on_gsm8k(method, min_tau):
     import os
 
