@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,6 @@ def _mbpp_stub(r) -> str | None:
     """An MBPP task as HumanEval poses one: the reference solution's imports and signature, its statement and test
     calls as a docstring with examples, the body left to write. None where no function of the code is what the
     tests call."""
-    import re
-
     lines = r.get("code", "").replace("\r\n", "\n").split("\n")
     tests = r.get("test_list") or []
     called = next((i for i, line in enumerate(lines) if (m := re.match(r"def\s+(\w+)\s*\(", line))
