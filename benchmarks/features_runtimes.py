@@ -3,7 +3,8 @@ runtime, side by side in one process, against the model's own forward (`hf`).
 
 Every runtime writes the tapped states and the top-k next tokens of the first --num-records answers of --data
 into a fresh temporary folder through `dflash.train.compute_features` (the code `dflash features` runs), so the
-time is what a user pays, adapter set-up included. `hf` runs the target in --hf-dtype (the training precision on
+time is what a user pays, adapter set-up included (after one untimed short record per runtime, which builds the
+kernels it uses where this machine has not built them yet). `hf` runs the target in --hf-dtype (the training precision on
 a CPU), a lean runtime in --dtype (how `dflash generate` loads it). Agreement is per answer: the relative L2
 difference of the states against `hf`'s, and how often the top-1 next token is the same. Prints a table and ends
 with one JSON line.
@@ -66,6 +67,10 @@ def main():
             target = targets[args.hf_dtype if r == "hf" else args.dtype][0]
             name = f"{r} ({resolve_runtime(target, r)})" if r == "auto" else r
             folder = Path(tmp) / r
+            # untimed first: a runtime's kernels are compiled on their first use on a machine (tens of seconds),
+            # which is not what computing features costs
+            compute_features(target, records[:1], layer_ids, Path(tmp) / f"{r}-warm-up", max_length=32,
+                             dtype="float32", distill_topk=args.topk, runtime=r, progress=False)
             t = time.perf_counter()
             compute_features(target, records, layer_ids, folder, max_length=args.max_length, dtype="float32",
                              distill_topk=args.topk, runtime=r, progress=False)
