@@ -1,6 +1,10 @@
 """The prepacked oneDNN linear: bitwise what F.linear gives, refreshed when the weight changes, and out of the
 way of training (grad enabled) and of fp32."""
 
+import fcntl
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -640,3 +644,33 @@ def test_a_drafts_context_write_in_one_call_adds_its_biases(monkeypatch):
         monkeypatch.setattr(DFlashDraftModel, "_layer_stack", lambda self: None)
         draft.write_context(feats, caches[1], 0)
     assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from dflash.kernels import _build_lock
+folder = Path(sys.argv[1])
+with _build_lock(folder):
+    (folder / "lock").touch()  # PyTorch's lock file, as a build it runs makes
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_kernel_build_killed_midway_does_not_hold_up_the_next(tmp_path):
+    # PyTorch's build lock is a file: a build killed midway (Ctrl-C in a first run) leaves it, and every later
+    # process waited on it forever. dflash's lock is an flock, let go when its holder dies.
+    folder = tmp_path / "kernels"
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with open(folder / "dflash-build.lock", "a") as f:  # held: nobody else builds meanwhile
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        child.kill()
+        child.wait()
+    assert (folder / "lock").exists()  # what the killed build left behind
+    with kernels._build_lock(folder):
+        assert not (folder / "lock").exists()

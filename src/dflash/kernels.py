@@ -26,6 +26,7 @@ step) or is replaced; training itself (grad enabled) always takes `F.linear`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -34,6 +35,11 @@ import platform
 import warnings
 from pathlib import Path
 from weakref import WeakValueDictionary
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no kernel build to guard (they are x86 Linux builds)
+    fcntl = None
 
 import torch
 import torch.nn as nn
@@ -267,6 +273,20 @@ def int4_op(build: str | None = None, name: str = "int4_linear"):
 _warned: list[str] = []
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Held while a kernel library is built or loaded from `folder`. PyTorch's own lock there is a file that a
+    process killed mid-build (Ctrl-C during a first run) leaves behind, and every later process then waits on it
+    forever, silently. This one is an flock, which the OS lets go when its holder dies; who holds it is the only
+    dflash process in the folder, so a PyTorch lock file found then is stale, and goes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "dflash-build.lock", "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def _int4_build(build: str) -> str | None:
     """Builds (or finds built) and loads one build of the kernel, once per process: a library registers its op
@@ -276,10 +296,11 @@ def _int4_build(build: str) -> str | None:
         from torch.utils.cpp_extension import load
 
         folder = dflash_home() / "kernels" / f"torch-{torch.__version__}"
-        folder.mkdir(parents=True, exist_ok=True)
-        load(name=lib, sources=[str(Path(__file__).parent / "csrc" / "int4.cpp")],
-             extra_cflags=["-O3", *(INT4_BUILDS | INT4_EMULATED)[build][1], f"-DDFLASH_INT4_LIB={lib}", "-fopenmp"],
-             extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
+        with _build_lock(folder):
+            load(name=lib, sources=[str(Path(__file__).parent / "csrc" / "int4.cpp")],
+                 extra_cflags=["-O3", *(INT4_BUILDS | INT4_EMULATED)[build][1], f"-DDFLASH_INT4_LIB={lib}",
+                               "-fopenmp"],
+                 extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False)
     except Exception as e:
         return str(e)
     torch.library.register_fake(f"{lib}::int4_linear")(
@@ -329,9 +350,9 @@ def _attention_build() -> str | None:
         from torch.utils.cpp_extension import load
 
         build = dflash_home() / "kernels" / f"torch-{torch.__version__}" / f"attention-{isa}-{cpu}"
-        build.mkdir(parents=True, exist_ok=True)
-        load(name=f"dflash_attention_{isa}", sources=[str(Path(__file__).parent / "csrc" / "cache_attention.cpp")],
-             extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+        with _build_lock(build):
+            load(name=f"dflash_attention_{isa}", sources=[str(Path(__file__).parent / "csrc" / "cache_attention.cpp")],
+                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
     except Exception as e:
         return str(e)
     torch.library.register_fake("dflash_attn::cache_attention")(lambda q, k, v, visible, scale: q.new_empty(q.shape))
