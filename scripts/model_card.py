@@ -129,19 +129,12 @@ def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
     """Another draft's held-out τ beside this one's (two `dflash evaluate` results.json), per set and as the ratio;
     evaluations of other prompts, lengths, widths or prompt lookup are not comparable: an error that names the
     difference."""
-    def settings(res: dict) -> dict:
-        c = res["config"]
-        return {"block_size": res["block_size"], "num_prompts": c["num_prompts"],
-                "max_new_tokens": c["max_new_tokens"], "prompts": c.get("prompts"),
-                "prompt_lookup": c.get("prompt_lookup", False)}
+    from dflash.evaluate import check_comparable
 
-    mine, other = settings(ours), settings(theirs)
-    for key in mine:
-        if mine[key] != other[key]:
-            raise SystemExit(f"--versus {label}: its evaluation ran {key}={other[key]}, this draft's {mine[key]}")
-    missing = sorted(set(ours["datasets"]) - set(theirs["datasets"]))
-    if missing:
-        raise SystemExit(f"--versus {label}: its evaluation lacks {', '.join(missing)}")
+    try:
+        check_comparable(ours, theirs)
+    except ValueError as e:
+        raise SystemExit(f"--versus {label}: {e} (this draft's first)") from None
     lines = [f"| dataset | τ, this draft | τ, {label} | {label} / this |", "|---|---|---|---|"]
     for name, mine in ours["datasets"].items():
         other = theirs["datasets"][name]["tau"]

@@ -1,15 +1,20 @@
 """`dflash evaluate`: per-slot acceptance that adds up to τ, on held-out prompts, from the command line too."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash import DFlashDraftModel, spec_generate
-from dflash.evaluate import EvalConfig, evaluate_draft, slot_acceptance
+from dflash.evaluate import EvalConfig, evaluate_draft, paired_tau_difference, slot_acceptance
 from dflash.generate import default_stop_token_ids
 from test_cli import common, run, setup  # noqa: F401  (the tiny GGUF target and its draft)
 from tiny import tiny_target
+
+COMPARE = Path(__file__).resolve().parents[1] / "scripts" / "compare_evaluations.py"
 
 
 def test_slot_acceptance_is_conditional_on_the_slots_before():
@@ -41,6 +46,66 @@ def test_tau_is_one_plus_the_sum_of_products_of_slot_rates():
         lengths += spec_generate(target, draft, torch.tensor([p]), max_new_tokens=20, return_stats=True,
                                  stop_token_ids=default_stop_token_ids(target)).acceptance_lengths
     assert res["datasets"]["b"]["tau"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+def test_evaluate_keeps_each_prompts_steps_in_the_sets_order_as_decoding_it_alone_gives_them():
+    target = tiny_target("llama", seed=2)
+    draft = DFlashDraftModel.from_target(target, num_layers=1, block_size=4)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (9, 3, 6, 4, 11)]  # not sorted by length
+    res = evaluate_draft(target, draft, {"a": prompts}, EvalConfig(max_new_tokens=16, batch_size=2), progress=False)
+    r = res["datasets"]["a"]
+    assert sum(s for s, _ in r["per_prompt"]) == r["steps"]
+    assert sum(t for _, t in r["per_prompt"]) / r["steps"] == pytest.approx(r["tau"])
+    for p, (steps, tokens) in zip(prompts, r["per_prompt"]):
+        out = spec_generate(target, draft, torch.tensor([p]), max_new_tokens=16, return_stats=True,
+                            stop_token_ids=default_stop_token_ids(target))
+        assert (steps, tokens) == (len(out.acceptance_lengths), sum(out.acceptance_lengths))
+        assert (out.row_steps, out.row_accepted) == ([steps], [tokens])
+
+
+def _results(per_set: dict, **settings) -> dict:
+    config = {"num_prompts": 4, "max_new_tokens": 128, "prompts": None, "prompt_lookup": False, **settings}
+    return {"block_size": 8, "config": config,
+            "datasets": {name: {"tau": sum(t for _, t in pp) / sum(s for s, _ in pp), "per_prompt": pp}
+                         for name, pp in per_set.items()}}
+
+
+def test_paired_tau_difference_tells_a_difference_on_every_prompt_from_none(tmp_path):
+    base = _results({"a": [[10, 20], [20, 30], [8, 30], [12, 12]], "b": [[5, 10], [6, 9], [10, 30], [7, 7]]})
+    same = paired_tau_difference(base, base, resamples=500)
+    for r in [*same["datasets"].values(), same["mean"]]:
+        assert r["difference"] == 0 and r["low"] == r["high"] == 0 and r["share_not_above_zero"] == 1
+    # one step fewer on every prompt of a: a is better beyond doubt; b unchanged
+    better = _results({"a": [[9, 20], [19, 30], [7, 30], [11, 12]], "b": base["datasets"]["b"]["per_prompt"]})
+    d = paired_tau_difference(base, better, resamples=500)
+    a = d["datasets"]["a"]
+    assert a["difference"] == pytest.approx(92 / 46 - 92 / 50) and 0 < a["low"] <= a["difference"] <= a["high"]
+    assert a["share_not_above_zero"] == 0 and d["datasets"]["b"]["difference"] == 0
+    assert d["mean"]["difference"] == pytest.approx(a["difference"] / 2) and d["mean"]["low"] > 0
+    # prompts that go both ways, the same steps in all: not told from no difference
+    mixed = _results({"a": [[7, 20], [21, 30], [9, 30], [13, 12]], "b": base["datasets"]["b"]["per_prompt"]})
+    m = paired_tau_difference(base, mixed, resamples=2000)["datasets"]["a"]
+    assert m["low"] < 0 < m["high"] and 0 < m["share_not_above_zero"] < 1
+    # what cannot be compared, by name
+    for other, words in ((_results({"a": [[1, 1]] * 4, "b": [[1, 1]] * 4}, max_new_tokens=64), "max_new_tokens"),
+                         (_results({"a": [[1, 1]] * 4}), "lacks b"),
+                         (_results({"a": [[1, 1]] * 3, "b": [[1, 1]] * 4}), "4 prompts against 3")):
+        with pytest.raises(ValueError, match=words):
+            paired_tau_difference(base, other)
+    old = json.loads(json.dumps(base))
+    del old["datasets"]["a"]["per_prompt"]
+    with pytest.raises(ValueError, match="no per-prompt counts"):
+        paired_tau_difference(old, base)
+    # the script: a table and one JSON line
+    for name, res in (("base", base), ("better", better)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    out = subprocess.run([sys.executable, str(COMPARE), tmp_path / "base", tmp_path / "better", "--resamples", "200"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| a | 1.840 | 2.000 | +0.160 |" in out.stdout and "| mean |" in out.stdout
+    assert json.loads(out.stdout.strip().splitlines()[-1])["datasets"]["b"]["difference"] == 0
 
 
 def test_evaluate_with_prompt_lookup_counts_what_generate_with_it_accepts():

@@ -86,13 +86,17 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
                disable=not progress, dynamic_ncols=True)
     for name, prompts in prompt_sets.items():
         lengths, texts = [], []
-        prompts = sorted(prompts, key=len)  # batches pad little
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # batches pad little
+        per_prompt = [[0, 0] for _ in prompts]  # [steps, tokens they committed], in the set's own order
+        prompts = [prompts[i] for i in order]
         for i in range(0, len(prompts), cfg.batch_size):
             ids, mask = left_pad(prompts[i:i + cfg.batch_size], pad_id)
             out = spec_generate(target, draft, ids.to(target.device), mask.to(target.device), block_size=B,
                                 max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, return_stats=True,
                                 runtime=cfg.runtime, prompt_lookup=cfg.prompt_lookup)
             lengths += out.acceptance_lengths
+            for j, steps, accepted in zip(order[i:i + cfg.batch_size], out.row_steps, out.row_accepted):
+                per_prompt[j] = [steps, accepted]
             P = ids.shape[1]
             texts += [(p + out.sequences[r, P:P + n].tolist(), len(p))
                       for r, (p, n) in enumerate(zip(prompts[i:i + cfg.batch_size], out.num_new_tokens))]
@@ -101,7 +105,8 @@ def evaluate_draft(target, draft, prompt_sets: dict[str, list[list[int]]], cfg: 
         for n in lengths:
             hist[n - 1] += 1
         results[name] = {"tau": sum(lengths) / max(1, len(lengths)), "slot_acceptance": slot_acceptance(lengths, B),
-                         "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts)}
+                         "acceptance_histogram": hist, "steps": len(lengths), "prompts": len(prompts),
+                         "per_prompt": per_prompt}
         if topk:
             results[name]["topk_hits"], results[name]["copy_split"] = topk_hits(target, draft, texts, topk, B)
     bar.close()
@@ -190,6 +195,66 @@ def plot_slot_acceptance(results: dict, png: Path, title: str = "") -> None:
     ax.set_title(title or f"per-slot acceptance, block {results['block_size']}")
     ax.legend(fontsize=8)
     save_png(fig, png, dpi=100)
+
+
+def evaluation_settings(results: dict) -> dict:
+    """What two `dflash evaluate` results must share to be compared: the prompts, their number and length, the
+    width and prompt lookup."""
+    c = results["config"]
+    return {"block_size": results["block_size"], "num_prompts": c["num_prompts"],
+            "max_new_tokens": c["max_new_tokens"], "prompts": c.get("prompts"),
+            "prompt_lookup": c.get("prompt_lookup", False)}
+
+
+def check_comparable(base: dict, other: dict) -> None:
+    """ValueError naming the first setting two evaluations differ in, or a set `other` lacks."""
+    mine, theirs = evaluation_settings(base), evaluation_settings(other)
+    for key in mine:
+        if mine[key] != theirs[key]:
+            raise ValueError(f"the evaluations ran {key}={mine[key]} and {key}={theirs[key]}")
+    missing = sorted(set(base["datasets"]) - set(other["datasets"]))
+    if missing:
+        raise ValueError(f"the second evaluation lacks {', '.join(missing)}")
+
+
+def paired_tau_difference(base: dict, other: dict, resamples: int = 10000, seed: int = 0) -> dict:
+    """τ of `other` minus τ of `base` (two `dflash evaluate` results of two drafts on the same prompts), per set and
+    averaged over the sets, with a 95% bootstrap interval over the prompts: both drafts answered the same prompts,
+    so each resample draws prompts (with replacement, per set) and recomputes both τ on them (steps and tokens
+    summed, as τ itself is). Prompt by prompt the two drafts' differences vary far less than their τ do, which
+    is what lets differences of a few hundredths be told from the choice of prompts. What it does not measure:
+    how much another training seed would move a draft."""
+    check_comparable(base, other)
+    g = torch.Generator().manual_seed(seed)
+    sets, deltas = {}, []
+    for name, r in base["datasets"].items():
+        a, b = r.get("per_prompt"), other["datasets"][name].get("per_prompt")
+        if a is None or b is None:
+            raise ValueError(f"{name}: an evaluation holds no per-prompt counts (made before dflash kept them); "
+                             "run dflash evaluate again")
+        if len(a) != len(b):
+            raise ValueError(f"{name}: {len(a)} prompts against {len(b)}")
+        a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)  # [n, (steps, tokens)]
+        pick = torch.randint(len(a), (resamples, len(a)), generator=g)
+        d = _tau(b[pick]) - _tau(a[pick])  # [resamples]
+        deltas.append(d)
+        sets[name] = {"base": _tau(a).item(), "other": _tau(b).item(), "difference": (_tau(b) - _tau(a)).item(),
+                      "prompts": len(a), **_interval(d)}
+    mean = {"base": sum(v["base"] for v in sets.values()) / len(sets),
+            "other": sum(v["other"] for v in sets.values()) / len(sets)}
+    mean["difference"] = mean["other"] - mean["base"]
+    return {"datasets": sets, "mean": {**mean, **_interval(torch.stack(deltas).mean(0))}, "resamples": resamples,
+            "seed": seed}
+
+
+def _tau(t: torch.Tensor) -> torch.Tensor:
+    """τ of prompts' [..., n, (steps, tokens)] counts: their tokens over their steps."""
+    return t[..., 1].sum(-1) / t[..., 0].sum(-1)
+
+
+def _interval(d: torch.Tensor) -> dict:
+    lo, hi = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=d.dtype)).tolist()
+    return {"low": lo, "high": hi, "share_not_above_zero": (d <= 0).double().mean().item()}
 
 
 def format_table(results: dict) -> str:

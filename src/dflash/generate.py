@@ -41,6 +41,10 @@ class GenerationOutput:
     block_size: int  # 1 for plain decoding
     acceptance_lengths: list[int] = field(repr=False)  # tokens committed per (row, step), bonus included
     num_steps: int = 0  # draft + verify steps after the prefill
+    # per row: the steps it took part in, and the tokens they committed (its acceptance lengths summed): a row's
+    # own τ, which `dflash evaluate` keeps per prompt so that two drafts compare prompt by prompt
+    row_steps: list[int] = field(default_factory=list, repr=False)
+    row_accepted: list[int] = field(default_factory=list, repr=False)
     compactions: int = 0  # times the cache squeezed out the holes left by rows that accepted less
     cache_growths: int = 0  # times the cache storage was enlarged (answers longer than it started for)
     time_to_first_token: float = 0.0
@@ -169,6 +173,7 @@ class _Generation:
         self.out = torch.full((b, max_new_tokens + self.B), self.pad_id, dtype=torch.long, device=self.device)
         self.n_gen = torch.zeros(b, dtype=torch.long, device=self.device)
         self.acceptance: list[int] = []
+        self.row_steps, self.row_accepted = [0] * b, [0] * b
         self.num_steps = 0
         # an n-gram draft already sizes its blocks by what it found; a seeded sampling run keeps whole blocks,
         # so that its draws do not depend on timing and repeat
@@ -286,6 +291,10 @@ class _Generation:
             host = torch.cat([n_take, accepted + 1, done.long(), active.long(), choice.reshape(-1)]).tolist()
             n_rows, done_rows, tokens = host[:L], host[2 * L:3 * L], host[4 * L:]
             acc = [a for a, on in zip(host[L:2 * L], host[3 * L:4 * L]) if on]
+            for r, a, on in zip(live_rows, host[L:2 * L], host[3 * L:4 * L]):
+                if on:
+                    self.row_steps[r] += 1
+                    self.row_accepted[r] += a
             n_done = sum(done_rows)
             # the cache keeps [anchor, accepted drafts] = the slots before the new anchor
             batch.commit(n_take, max(n_rows))
@@ -327,6 +336,7 @@ class _Generation:
         seq = torch.cat([self.input_ids, self.out[:, :width]], 1)
         return GenerationOutput(sequences=seq, num_new_tokens=n, block_size=self.B,
                                 acceptance_lengths=self.acceptance, num_steps=self.num_steps,
+                                row_steps=self.row_steps, row_accepted=self.row_accepted,
                                 compactions=self.batch.compactions if self.max_new else 0,
                                 cache_growths=self.batch.growths if self.max_new else 0,
                                 time_to_first_token=self.ttft, total_time=self.total,
