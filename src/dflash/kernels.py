@@ -281,9 +281,9 @@ def _build_lock(folder: Path):
     dflash process in the folder, so a PyTorch lock file found then is stale, and goes."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "dflash-build.lock", "a") as f:
-        if fcntl is not None:
+        if fcntl is not None:  # (without it, PyTorch's lock is left as it is)
             fcntl.flock(f, fcntl.LOCK_EX)
-        (folder / "lock").unlink(missing_ok=True)
+            (folder / "lock").unlink(missing_ok=True)
         yield
 
 
