@@ -1,6 +1,7 @@
 """Whether one draft is accepted more than another, or only seems to be: two `dflash evaluate` outputs of the same
 held-out prompts, τ per set and averaged, the difference and its 95% bootstrap interval over the prompts (paired:
-both drafts answered the same prompts). A markdown table and one JSON line.
+both drafts answered the same prompts). A markdown table and one JSON line (which also holds the ratio of the two
+τ with its interval, what `scripts/model_card.py --versus` shows).
 
     python scripts/compare_evaluations.py runs/eval-stage6 runs/eval-stage7 [--resamples 10000]
 

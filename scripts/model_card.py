@@ -129,16 +129,21 @@ def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
     """Another draft's held-out τ beside this one's (two `dflash evaluate` results.json), per set and as the ratio;
     evaluations of other prompts, lengths, widths or prompt lookup are not comparable: an error that names the
     difference."""
-    from dflash.evaluate import check_comparable
+    from dflash.evaluate import check_comparable, paired_tau_difference
 
     try:
         check_comparable(ours, theirs)
     except ValueError as e:
         raise SystemExit(f"--versus {label}: {e} (this draft's first)") from None
-    lines = [f"| dataset | τ, this draft | τ, {label} | {label} / this |", "|---|---|---|---|"]
+    # both evaluations with their per-prompt counts: the ratio's 95% interval over the prompts (compare_evaluations.py)
+    paired = all("per_prompt" in r for res in (ours, theirs) for r in res["datasets"].values())
+    sets = paired_tau_difference(ours, theirs)["datasets"] if paired else {}
+    lines = [f"| dataset | τ, this draft | τ, {label} | {label} / this |" + (" 95% interval |" if paired else ""),
+             "|---|---|---|---|" + ("---|" if paired else "")]
     for name, mine in ours["datasets"].items():
         other = theirs["datasets"][name]["tau"]
-        lines.append(f"| {name} | {mine['tau']:.2f} | {other:.2f} | {other / mine['tau']:.2f}x |")
+        interval = f" {sets[name]['ratio_low']:.2f}-{sets[name]['ratio_high']:.2f}x |" if paired else ""
+        lines.append(f"| {name} | {mine['tau']:.2f} | {other:.2f} | {other / mine['tau']:.2f}x |{interval}")
     return lines
 
 

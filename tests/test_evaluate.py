@@ -82,6 +82,7 @@ def test_paired_tau_difference_tells_a_difference_on_every_prompt_from_none(tmp_
     a = d["datasets"]["a"]
     assert a["difference"] == pytest.approx(92 / 46 - 92 / 50) and 0 < a["low"] <= a["difference"] <= a["high"]
     assert a["share_not_above_zero"] == 0 and d["datasets"]["b"]["difference"] == 0
+    assert a["ratio"] == pytest.approx(2.0 / 1.84) and 1 < a["ratio_low"] <= a["ratio"] <= a["ratio_high"]
     assert d["mean"]["difference"] == pytest.approx(a["difference"] / 2) and d["mean"]["low"] > 0
     # prompts that go both ways, the same steps in all: not told from no difference
     mixed = _results({"a": [[7, 20], [21, 30], [9, 30], [13, 12]], "b": base["datasets"]["b"]["per_prompt"]})

@@ -160,11 +160,15 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
             "evaluate 40×128, block 8 |") in card
 
 
-def _evaluation(folder: Path, taus: dict, num_prompts: int = 40) -> Path:
+def _evaluation(folder: Path, taus: dict, num_prompts: int = 40, per_prompt: bool = False) -> Path:
     folder.mkdir()
+    sets = {name: {"tau": tau, "slot_acceptance": [0.5], "steps": 10} for name, tau in taus.items()}
+    for name, r in sets.items():
+        if per_prompt:  # prompts alike (10 steps each): the ratio's interval is the ratio
+            r["per_prompt"] = [[10, round(10 * r["tau"])]] * 4
     (folder / "results.json").write_text(json.dumps({
         "block_size": 8, "hardware": "a CPU", "config": {"num_prompts": num_prompts, "max_new_tokens": 128},
-        "datasets": {name: {"tau": tau, "slot_acceptance": [0.5], "steps": 10} for name, tau in taus.items()}}))
+        "datasets": sets}))
     (folder / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
     return folder
 
@@ -179,6 +183,13 @@ def test_the_peers_card_sets_the_dflash_drafts_evaluation_beside_its_own(tmp_pat
     assert "## Against DFlash (the same evaluation)" in card
     assert "| gsm8k | 2.00 | 2.60 | 1.30x |" in card and "| mbpp | 1.60 | 2.40 | 1.50x |" in card
     assert "mt-bench" not in card  # only the sets this draft was evaluated on
+    assert "95% interval" not in card  # evaluations without per-prompt counts
+    # with them, the ratio's interval over the prompts
+    both = [_evaluation(tmp_path / f"{name}-pp", taus, per_prompt=True)
+            for name, taus in (("ours", {"gsm8k": 2.0, "mbpp": 1.6}), ("dflash", {"gsm8k": 2.6, "mbpp": 2.4}))]
+    card = _card("--train", run, "--data", paths["data"], "--bench", paths["bench"], "--evaluate", both[0],
+                 "--versus", f"DFlash={both[1]}", "--out", tmp_path / "card-pp.md")
+    assert "| gsm8k | 2.00 | 2.60 | 1.30x | 1.30-1.30x |" in card and "| mbpp | 1.60 | 2.40 | 1.50x | 1.50-1.50x |" in card
     # another evaluation (fewer prompts, a set missing) is not comparable: an error naming the difference
     for other, words in ((_evaluation(tmp_path / "short", {"gsm8k": 2.6, "mbpp": 2.4}, 20), "num_prompts=20"),
                          (_evaluation(tmp_path / "part", {"gsm8k": 2.6}), "lacks mbpp")):

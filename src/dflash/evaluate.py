@@ -218,15 +218,15 @@ def check_comparable(base: dict, other: dict) -> None:
 
 
 def paired_tau_difference(base: dict, other: dict, resamples: int = 10000, seed: int = 0) -> dict:
-    """τ of `other` minus τ of `base` (two `dflash evaluate` results of two drafts on the same prompts), per set and
-    averaged over the sets, with a 95% bootstrap interval over the prompts: both drafts answered the same prompts,
-    so each resample draws prompts (with replacement, per set) and recomputes both τ on them (steps and tokens
-    summed, as τ itself is). Prompt by prompt the two drafts' differences vary far less than their τ do, which
+    """τ of `other` minus τ of `base` (two `dflash evaluate` results of two drafts on the same prompts), and their
+    ratio, per set and averaged over the sets, each with a 95% bootstrap interval over the prompts: both drafts
+    answered the same prompts, so each resample draws prompts (with replacement, per set) and recomputes both τ
+    on them (steps and tokens summed, as τ itself is). Prompt by prompt the two drafts' differences vary far less than their τ do, which
     is what lets differences of a few hundredths be told from the choice of prompts. What it does not measure:
     how much another training seed would move a draft."""
     check_comparable(base, other)
     g = torch.Generator().manual_seed(seed)
-    sets, deltas = {}, []
+    sets, taus = {}, []
     for name, r in base["datasets"].items():
         a, b = r.get("per_prompt"), other["datasets"][name].get("per_prompt")
         if a is None or b is None:
@@ -236,25 +236,27 @@ def paired_tau_difference(base: dict, other: dict, resamples: int = 10000, seed:
             raise ValueError(f"{name}: {len(a)} prompts against {len(b)}")
         a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)  # [n, (steps, tokens)]
         pick = torch.randint(len(a), (resamples, len(a)), generator=g)
-        d = _tau(b[pick]) - _tau(a[pick])  # [resamples]
-        deltas.append(d)
-        sets[name] = {"base": _tau(a).item(), "other": _tau(b).item(), "difference": (_tau(b) - _tau(a)).item(),
-                      "prompts": len(a), **_interval(d)}
-    mean = {"base": sum(v["base"] for v in sets.values()) / len(sets),
-            "other": sum(v["other"] for v in sets.values()) / len(sets)}
-    mean["difference"] = mean["other"] - mean["base"]
-    return {"datasets": sets, "mean": {**mean, **_interval(torch.stack(deltas).mean(0))}, "resamples": resamples,
-            "seed": seed}
+        resampled = _tau(a[pick]), _tau(b[pick])  # [resamples] each
+        taus.append(resampled)
+        sets[name] = {**_compared(_tau(a).item(), _tau(b).item(), *resampled), "prompts": len(a)}
+    mean = _compared(*(sum(v[k] for v in sets.values()) / len(sets) for k in ("base", "other")),
+                     *(torch.stack(t).mean(0) for t in zip(*taus)))
+    return {"datasets": sets, "mean": mean, "resamples": resamples, "seed": seed}
+
+
+def _compared(base: float, other: float, base_r: torch.Tensor, other_r: torch.Tensor) -> dict:
+    """The difference and ratio of two τ, with intervals from their resampled values."""
+    d, r = other_r - base_r, other_r / base_r
+    (d_lo, d_hi), (r_lo, r_hi) = (torch.quantile(t, torch.tensor([0.025, 0.975], dtype=t.dtype)).tolist()
+                                  for t in (d, r))
+    return {"base": base, "other": other, "difference": other - base, "low": d_lo, "high": d_hi,
+            "share_not_above_zero": (d <= 0).double().mean().item(), "ratio": other / base, "ratio_low": r_lo,
+            "ratio_high": r_hi}
 
 
 def _tau(t: torch.Tensor) -> torch.Tensor:
     """τ of prompts' [..., n, (steps, tokens)] counts: their tokens over their steps."""
     return t[..., 1].sum(-1) / t[..., 0].sum(-1)
-
-
-def _interval(d: torch.Tensor) -> dict:
-    lo, hi = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=d.dtype)).tolist()
-    return {"low": lo, "high": hi, "share_not_above_zero": (d <= 0).double().mean().item()}
 
 
 def format_table(results: dict) -> str:
