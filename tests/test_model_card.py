@@ -163,8 +163,8 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
 def _evaluation(folder: Path, taus: dict, num_prompts: int = 40, per_prompt: bool = False) -> Path:
     folder.mkdir()
     sets = {name: {"tau": tau, "slot_acceptance": [0.5], "steps": 10} for name, tau in taus.items()}
-    for name, r in sets.items():
-        if per_prompt:  # prompts alike (10 steps each): the ratio's interval is the ratio
+    if per_prompt:  # prompts alike (10 steps each): the ratio's interval is the ratio
+        for r in sets.values():
             r["per_prompt"] = [[10, round(10 * r["tau"])]] * 4
     (folder / "results.json").write_text(json.dumps({
         "block_size": 8, "hardware": "a CPU", "config": {"num_prompts": num_prompts, "max_new_tokens": 128},
