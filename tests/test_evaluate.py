@@ -1,12 +1,14 @@
 """`dflash evaluate`: per-slot acceptance that adds up to τ, on held-out prompts, from the command line too."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dflash import DFlashDraftModel, spec_generate
 from dflash.evaluate import EvalConfig, evaluate_draft, paired_tau_difference, slot_acceptance
@@ -138,6 +140,21 @@ def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["datasets"]["held-out"]["prompts"] == 3 and saved["hardware"]
     assert (tmp_path / "out" / "slot_acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(saved["datasets"]["held-out"]["per_prompt"]) == 3
+    # the draft's proposals from a vocabulary it keeps, then from the whole one
+    limited = tmp_path / "limited"
+    shutil.copytree(draft, limited)
+    weights = load_file(limited / "model.safetensors")
+    weights["draft_vocab"] = torch.tensor([1, 2, 3, 5, 8, 13, 21, 34])
+    save_file(weights, limited / "model.safetensors")
+    whole = saved["proposal_vocabulary"]  # the draft keeps none
+    assert whole > 8
+    for extra, size in (((), 8), (("--whole-vocabulary",), whole)):
+        r = run("evaluate", *common(tiny_gguf)[:2], "--dtype", "float32", "--threads", "1", "--draft", limited,
+                "--prompts", prompts, "--num-prompts", "3", "--max-new-tokens", "12", "--topk", "", *extra,
+                "--out", tmp_path / f"out{len(extra)}", env_home=home)
+        assert r.returncode == 0, r.stderr
+        assert json.loads((tmp_path / f"out{len(extra)}" / "results.json").read_text())["proposal_vocabulary"] == size
 
 
 def test_topk_hit_rates_grow_with_k_and_reach_one_at_the_whole_vocabulary():

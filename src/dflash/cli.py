@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "draft's k best (teacher-forced on the answers; comma-separated k, empty = skip; DFlash "
                     "drafts only)")
     ev.add_argument("--out", default=None, help="folder for results.json and slot_acceptance.png")
+    ev.add_argument("--whole-vocabulary", action="store_true",
+                    help="propose from the target's whole vocabulary even where the draft keeps a smaller one "
+                    "(train --draft-vocab-size): what that limit costs in τ (scripts/compare_evaluations.py)")
     _lookup_option(ev, False)
     _template_option(ev)
     _runtime_option(ev)
@@ -575,13 +578,17 @@ def cmd_evaluate(args) -> int:
     if draft_path is None:
         raise DFlashError(f"no draft given and none shipped for {args.model}: pass --draft DIR")
     draft = load_draft(draft_path, target)
+    if args.whole_vocabulary:
+        draft.set_draft_vocab(None)
     cfg = EvalConfig(datasets=[d.strip() for d in args.datasets.split(",") if d.strip()], num_prompts=args.num_prompts,
                      max_new_tokens=args.max_new_tokens, block_size=args.block_size, batch_size=args.batch_size,
                      data_dir=args.data_dir, runtime=args.runtime, prompts=args.prompts,
                      topk=[int(k) for k in args.topk.split(",") if k.strip()] or None,
                      chat_template_kwargs=parse_template_kwargs(args.chat_template_kwargs),
                      prompt_lookup=args.prompt_lookup)
-    run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path)})
+    vocab = draft.config.vocab_size if draft.draft_vocab is None else draft.draft_vocab.numel()
+    run_evaluate(target, tokenizer, draft, cfg, args.out, {"model": str(args.model), "draft": str(draft_path),
+                                                           "proposal_vocabulary": vocab})
     return 0
 
 
