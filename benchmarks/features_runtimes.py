@@ -4,8 +4,8 @@ runtime, side by side in one process, against the model's own forward (`hf`).
 Every runtime writes the tapped states and the top-k next tokens of the first --num-records answers of --data
 into a fresh temporary folder through `dflash.train.compute_features` (the code `dflash features` runs), so the
 time is what a user pays, adapter set-up included (after one untimed short record per runtime, which builds the
-kernels it uses where this machine has not built them yet). `hf` runs the target in --hf-dtype (the training precision on
-a CPU), a lean runtime in --dtype (how `dflash generate` loads it). Agreement is per answer: the relative L2
+kernels it uses where this machine has not built them yet). `hf` runs the target in --hf-dtype (the training
+precision on a CPU), a lean runtime in --dtype (how `dflash generate` loads it). Agreement is per answer: the relative L2
 difference of the states against `hf`'s, and how often the top-1 next token is the same. Prints a table and ends
 with one JSON line.
 

@@ -221,9 +221,9 @@ def paired_tau_difference(base: dict, other: dict, resamples: int = 10000, seed:
     """τ of `other` minus τ of `base` (two `dflash evaluate` results of two drafts on the same prompts), and their
     ratio, per set and averaged over the sets, each with a 95% bootstrap interval over the prompts: both drafts
     answered the same prompts, so each resample draws prompts (with replacement, per set) and recomputes both τ
-    on them (steps and tokens summed, as τ itself is). Prompt by prompt the two drafts' differences vary far less than their τ do, which
-    is what lets differences of a few hundredths be told from the choice of prompts. What it does not measure:
-    how much another training seed would move a draft."""
+    on them (steps and tokens summed, as τ itself is). Prompt by prompt the two drafts' differences vary far less
+    than their τ do, which is what lets differences of a few hundredths be told from the choice of prompts. What it
+    does not measure: how much another training seed would move a draft."""
     check_comparable(base, other)
     g = torch.Generator().manual_seed(seed)
     sets, taus = {}, []

@@ -290,9 +290,10 @@ class _Generation:
             L, q = len(live_rows), choice.shape[1]
             host = torch.cat([n_take, accepted + 1, done.long(), active.long(), choice.reshape(-1)]).tolist()
             n_rows, done_rows, tokens = host[:L], host[2 * L:3 * L], host[4 * L:]
-            acc = [a for a, on in zip(host[L:2 * L], host[3 * L:4 * L]) if on]
+            acc = []  # the active rows' acceptance lengths, also summed per row
             for r, a, on in zip(live_rows, host[L:2 * L], host[3 * L:4 * L]):
                 if on:
+                    acc.append(a)
                     self.row_steps[r] += 1
                     self.row_accepted[r] += a
             n_done = sum(done_rows)
