@@ -198,3 +198,40 @@ def test_the_peers_card_sets_the_dflash_drafts_evaluation_beside_its_own(tmp_pat
                               str(paths["bench"]), "--evaluate", str(ours), "--versus", f"DFlash={other}", "--out",
                               str(tmp_path / "bad.md")], capture_output=True, text=True)
         assert out.returncode != 0 and words in out.stderr
+
+
+def test_a_card_of_the_same_draft_measured_again_keeps_its_draft_and_training(tmp_path):
+    import shutil
+
+    paths = _inputs(tmp_path)
+    run = _run_folder(tmp_path / "peer", sittings=[[(30, 900.0)]], tau=1.5)
+    first = _card("--train", run, "--data", paths["data"], "--bench", paths["bench"], "--evaluate",
+                  _evaluation(tmp_path / "ours", {"gsm8k": 2.0}), "--versus",
+                  f"DFlash={_evaluation(tmp_path / 'dflash', {'gsm8k': 2.6})}", "--out", tmp_path / "first.md")
+    shutil.rmtree(run)  # the peer's run is gone (another machine); a newer DFlash draft is to be set beside it
+    again = _evaluation(tmp_path / "again", {"gsm8k": 2.0}, per_prompt=True)
+    newer = _evaluation(tmp_path / "newer", {"gsm8k": 3.0}, per_prompt=True)
+    card = _card("--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--evaluate", again,
+                 "--versus", f"the newer DFlash draft={newer}", "--out", tmp_path / "card.md")
+
+    def part(text, title):  # a section with its heading, up to the next one
+        return text[text.index(title):text.index("\n## ", text.index(title))]
+
+    assert card.splitlines()[0] == first.splitlines()[0] == "# EAGLE-3-style drafter (the bench's peer) for tiny"
+    for title in ("## Draft", "## Training", "## Benchmark"):
+        assert part(card + "\n## ", title) == part(first + "\n## ", title)
+    assert "| gsm8k | 2.00 | 3.00 | 1.50x | 1.50-1.50x |" in card and "## Against DFlash (" not in card
+    # a new bench replaces the carried one
+    (tmp_path / "bench2").mkdir()
+    (tmp_path / "bench2" / "table.txt").write_text("dflash bench: a new header\n")
+    card = _card("--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench", tmp_path / "bench2",
+                 "--out", tmp_path / "card2.md")
+    assert "a new header" in card and "dataset method" not in card
+    # neither runs nor a card to carry over, a trained draft without its bench, a card without training: errors
+    bad = tmp_path / "bad.md"
+    bad.write_text("# a card\n\n## Data\n- answers\n")
+    for args, words in (((), "--train is needed"), (("--train", run), "--bench is needed with --train"),
+                        (("--earlier-card", bad), "no draft and training sections")):
+        out = subprocess.run([sys.executable, str(SCRIPT), *map(str, args), "--data", str(paths["data"]),
+                              "--out", str(tmp_path / "x.md")], capture_output=True, text=True)
+        assert out.returncode != 0 and words in out.stderr
