@@ -23,6 +23,7 @@ from pathlib import Path
 
 
 BENCH = "Benchmark (`dflash bench`)"
+CARRIED = "As the card before this one had it, run with the drafts shipped then."
 KINDS = {"dflash": "DFlash draft", "eagle3": "EAGLE-3-style drafter (the bench's peer)"}
 
 
@@ -243,8 +244,10 @@ def main():
     if args.bench:  # the table without the final JSON line (results.json holds the same numbers)
         bench = ["```", *(line for line in (Path(args.bench) / "table.txt").read_text().strip().splitlines()
                           if not line.startswith("{")), "```"]
-    else:
+    else:  # the drafts it ran may since have changed (the DFlash draft beside a peer): said once
         bench = section(earlier, BENCH)
+        if bench and bench[0] != CARRIED:
+            bench = [CARRIED, "", *bench]
     lines = [
         title,
         "",
