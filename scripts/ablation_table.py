@@ -41,8 +41,9 @@ def run_row(arg: str, names: dict[Path, str] | None = None) -> dict:
         c = res["config"]
         tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
         source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
+    saved = saved_draft(folder)
     return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"],
-            "depth": cfg["num_layers"], "kv": kv_heads(folder),
+            "depth": saved.get("num_hidden_layers", cfg["num_layers"]), "kv": saved.get("num_key_value_heads", ""),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "batch": cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1),
             "distill": cfg.get("distill", 0.0),
@@ -64,14 +65,15 @@ def start_name(init_draft: str | None, names: dict[Path, str] | None = None) -> 
     return (names or {}).get(p.parent.resolve(), p.parent.name)
 
 
-def kv_heads(folder: Path) -> int | str:
-    """The key/value heads of the run's draft, as its last saved draft (final, else the latest checkpoint) has
-    them ("" where neither is at hand)."""
+def saved_draft(folder: Path) -> dict:
+    """The config of the run's last saved draft (final, else the latest checkpoint; {} where neither is at hand):
+    its depth and key/value heads, which a stage started from another draft has from that draft, not from its own
+    --num-layers / --num-kv-heads."""
     latest = folder / "latest"
     for draft in (folder / "final", folder / latest.read_text().strip() if latest.exists() else None):
         if draft is not None and (draft / "config.json").exists():
-            return json.loads((draft / "config.json").read_text())["num_key_value_heads"]
-    return ""
+            return json.loads((draft / "config.json").read_text())
+    return {}
 
 
 # what a row of an ablation.json written before a column existed ran with

@@ -863,12 +863,14 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     assert [r["start"] for r in rows] == ["fresh", "fresh"]
     assert ablation_table.start_name(str(tmp_path / "one" / "final")) == "one"
     assert ablation_table.start_name("src/dflash/drafts/m") == "src/dflash/drafts/m"
-    # ... by the name the table gives that run where it is a row too, also through a link to its folder
-    train(cfg_for(root, tmp_path / "three", max_steps=2, init_draft=str(tmp_path / "one" / "final")), target=target,
+    # ... by the name the table gives that run where it is a row too, also through a link to its folder; its depth
+    # is its draft's (that run's), not the --num-layers it left at the default
+    train(cfg_for(root, tmp_path / "three", max_steps=2, init_draft=str(tmp_path / "two" / "final")), target=target,
           tokenizer=tok, progress=False)
-    (tmp_path / "alias").symlink_to(tmp_path / "one")
+    (tmp_path / "alias").symlink_to(tmp_path / "two")
     rows = ablation_table.main([str(tmp_path / "alias"), str(tmp_path / "three")])
     assert [r["run"] for r in rows] == ["alias", "three"] and rows[1]["start"] == "alias"
+    assert [r["depth"] for r in rows] == [2, 2]
     assert (tmp_path / "table" / "ablation.png").read_bytes()[:4] == b"\x89PNG"
 
     # a run paired with a `dflash evaluate` of its draft takes τ from that evaluation instead of its log
