@@ -3,6 +3,8 @@
     python scripts/model_card.py --train RUN[:LAST_STEP] [--train FINE_TUNE ...] --data DATASET [--data ...] \
         --bench BENCH_OUT [--evaluate EVALUATE_OUT [--versus LABEL=EVALUATE_OUT ...]] [--ablation ABLATION_JSON] \
         --out CARD.md
+    python scripts/model_card.py --earlier-card CARD.md --data DATASET [--data ...] [--bench BENCH_OUT] \
+        [--evaluate EVALUATE_OUT [--versus LABEL=EVALUATE_OUT ...]] --out NEW_CARD.md
 
 Several --train runs are stages in order, each one starting from the previous (`--init-draft`); LAST_STEP
 says where a stage was cut (its checkpoint that the next stage started from). When the first run started from
