@@ -6,6 +6,8 @@
 #   sampled-1/     a second, sampled answer (temperature 0.8) to the first 3104 prompts
 #   code-complete/ greedy answers to MBPP's train tasks posed as HumanEval poses its tasks (mbpp:train-complete:
 #                  a stub to complete), and code-complete-s1/, -s2/: two sampled answers to each (temperature 0.8)
+#   task-answers/  greedy answers to prompts the target wrote from given openings (task-prompts/: "Write a poem",
+#                  "Act as", ...: writing, role-play and reasoning tasks, which the plain template seldom brings)
 # Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
 # Chunks already packed into data/smollm2-135m-instruct/<part>/ (committed, so they outlive runs/ and the machine)
 # are not answered again; keep them with `dflash pack runs/data/<part> -o data/smollm2-135m-instruct/<part>`.
@@ -18,6 +20,7 @@ export DFLASH_DATA_DIR="$(cd "$DFLASH_DATA_DIR" && pwd)"
 WORK="$(mkdir -p "${WORK:-runs/data}" && cd "${WORK:-runs/data}" && pwd)"
 THREADS="${THREADS:-2}"
 SELF_PROMPTS="${SELF_PROMPTS:-6000}"
+TASK_PROMPTS="${TASK_PROMPTS:-100}"  # per opening
 COMMON=(--model smollm2-135m-instruct --no-draft --max-new-tokens 512 --threads "$THREADS")
 KEPT="$PWD/data/smollm2-135m-instruct"
 kept() { if [ -f "$KEPT/$1/manifest.json" ]; then echo --packed "$KEPT/$1"; fi; }
@@ -42,3 +45,11 @@ for seed in 1 2; do
     dflash regenerate mbpp:train-complete -o "$WORK/code-complete-s$seed" --batch-size 32 --temperature 0.8 \
         --seed "$seed" "${COMMON[@]}" $(kept code-complete-s$seed)
 done
+
+OPENINGS=("Write a short story" "Write a poem" "Write a blog post" "Write a letter" "Write an email" "Write a speech"
+          "Write a product description" "Write a persuasive essay" "Compose" "Draft" "Rewrite" "Describe" "Act as"
+          "Pretend you are" "Imagine you are" "You are a" "Explain" "Suppose" "What would happen if" "Compare")
+TASKS=(); for o in "${OPENINGS[@]}"; do TASKS+=("self:$TASK_PROMPTS:$o"); done
+dflash regenerate "${TASKS[@]}" -o "$WORK/task-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
+    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
+dflash regenerate "$WORK/task-prompts" -o "$WORK/task-answers" --batch-size 32 "${COMMON[@]}" $(kept task-answers)

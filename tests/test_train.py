@@ -674,6 +674,13 @@ def test_the_target_writes_prompts_that_a_second_run_answers(lang, tmp_path):
     assert all(r["input_ids"][:1] == [1] and r["messages"][0]["content"].startswith("t") for r in written)
     assert {r["source"] for r in written} <= {f"self:{k}" for k in range(16)}
     assert read_dataset([tmp_path / "prompts"]) == []  # prompts to answer, not training data
+    # prompts that begin with an opening: its tokens follow the template's, and the prompt's text starts with it
+    regenerate(RegenerateConfig(sources=["self:8:t5 t6"], output=str(tmp_path / "opened"), **cfg), target=target,
+               tokenizer=tok, progress=False)
+    opened = [json.loads(line) for f in sorted((tmp_path / "opened").glob("shard-*"))
+              for line in f.read_text().splitlines() if line.strip()]
+    assert opened and all(r["input_ids"][:3] == [1, 5, 6] and r["messages"][0]["content"].startswith("t5 t6 ")
+                          for r in opened)
     regenerate(RegenerateConfig(sources=[str(tmp_path / "prompts")], output=str(tmp_path / "answers"),
                                 **{**cfg, "temperature": 0.0}), target=target, tokenizer=tok, progress=False)
     answers = read_dataset([tmp_path / "answers"])

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "folder of JSONL shards: conversation, token ids and a loss mask over the answer.")
     reg.add_argument("inputs", nargs="+", help="JSONL files or folders ('prompt', 'messages' or 'turns' per line), "
                      "named sets (chat, gsm8k:train, mbpp:train, ...), or self:N for N prompts the target writes "
-                     "itself (sampled; answer them with a second run on the output folder)")
+                     "itself (sampled; answer them with a second run on the output folder), self:N:OPENING for N "
+                     "that begin with OPENING (e.g. 'self:300:Write a poem')")
     reg.add_argument("-o", "--output", required=True, help="dataset folder (a rerun resumes it)")
     reg.add_argument("--batch-size", type=_int_at_least(1), default=32, help="prompts answered together")
     reg.add_argument("--max-prompt-tokens", type=_int_at_least(1), default=1024, help="longer prompts are skipped")

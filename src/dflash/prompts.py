@@ -228,9 +228,10 @@ def parse_template_kwargs(text: str | None) -> dict | None:
     return value
 
 
-def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
-    """Token ids of the chat template up to where a user's message begins: sampling the target from here
-    makes it write a prompt of the kind it was tuned to answer (`dflash regenerate self:N`)."""
+def user_turn_prefix(tokenizer, system: str | None = None, opening: str = "") -> list[int]:
+    """Token ids of the chat template up to where a user's message begins (and of the message's opening words,
+    tokenized with it as the whole prompt will be): sampling the target from here makes it write a prompt of the
+    kind it was tuned to answer (`dflash regenerate self:N[:OPENING]`)."""
     marker = "\u2063dflash-user-turn\u2063"
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
     if not getattr(tokenizer, "chat_template", None):
@@ -238,4 +239,4 @@ def user_turn_prefix(tokenizer, system: str | None = None) -> list[int]:
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
     if marker not in text:
         raise DFlashError("the chat template does not place the user's message in its text")
-    return tokenizer(text[:text.index(marker)], add_special_tokens=False)["input_ids"]
+    return tokenizer(text[:text.index(marker)] + opening, add_special_tokens=False)["input_ids"]

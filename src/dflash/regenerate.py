@@ -1,7 +1,8 @@
 """`dflash regenerate`: answers to training prompts, written by the target itself, as a resumable dataset.
 
 A source `self:N` asks the target for N prompts of its own: its chat template up to the user's message, sampled
-until the user turn ends. Those records (kind "self-prompt") are a prompt file for a second run, which answers
+until the user turn ends; `self:N:OPENING` has each of them begin with OPENING ("Write a poem", "Act as"), which
+steers the prompts towards a kind of task that the plain template rarely brings. Those records (kind "self-prompt") are a prompt file for a second run, which answers
 them; training skips them.
 
 The prompts are put in a fixed order (by token length within windows) and cut into fixed chunks of
@@ -30,7 +31,7 @@ from .prompts import BadLine, Prompt, encode_prompt, read_prompts, user_turn_pre
 SHARD = re.compile(r"^shard-(\d+)-(\d+)\.jsonl$")
 PACKED = "packed-*.safetensors"  # the chunks `dflash pack` keeps (dflash.dataset)
 PACKED_SHARD = re.compile(r"^packed-(\d+)-(\d+)\.safetensors$")
-SELF = re.compile(r"^self:(\d+)$")  # a source of N prompts that the target writes itself
+SELF = re.compile(r"^self:(\d+)(?::(.+))?$", re.S)  # N prompts that the target writes itself [, each from OPENING]
 SELF_PROMPT = "self-prompt"  # the kind of such a record: a prompt to answer, not training data
 
 
@@ -139,10 +140,12 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     for p in prompts:
         ids = encode_prompt(tokenizer, p.messages, cfg.system, cfg.chat_template_kwargs)
         (encoded if len(ids) <= cfg.max_prompt_tokens else too_long).append((p, ids))
-    if self_sources:
-        prefix = user_turn_prefix(tokenizer, cfg.system)
-        encoded += [(Prompt(f"{src}:{k}", [], {"source": f"self:{k}"}), prefix)
-                    for src in self_sources for k in range(int(SELF.match(src).group(1)))]
+    for src in self_sources:
+        n, opening = SELF.match(src).groups()
+        prefix = user_turn_prefix(tokenizer, cfg.system, opening or "")
+        # the opening travels in the record's source, so that the second run's prompt text starts with it
+        encoded += [(Prompt(f"{src}:{k}", [], {"source": f"self:{k}", "opening": opening or ""}), prefix)
+                    for k in range(int(n))]
     for p, ids in too_long:
         print(f"dflash: skipped {p.id}: prompt has {len(ids)} tokens > --max-prompt-tokens {cfg.max_prompt_tokens}",
               file=sys.stderr)
@@ -177,7 +180,8 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
             if not prompt.messages:  # a prompt the target wrote: kept when its user turn ended
                 if finish != "stop" or not text.strip():
                     continue
-                record.update(kind=SELF_PROMPT, messages=[{"role": "user", "content": text.strip()}])
+                record.update(kind=SELF_PROMPT, messages=[{"role": "user", "content": self_prompt_text(
+                    tokenizer, prompt.meta["opening"], prompt_ids, answer, text)}])
             lines.append(json.dumps(record, ensure_ascii=False))
         atomic_write_text(output / f"shard-{s:06d}-{s + len(chunk):06d}.jsonl", "\n".join(lines) + "\n")
         written += len(chunk)
@@ -190,6 +194,16 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
           f"{summary['seconds']} s); skipped {len(bad)} bad lines and {len(too_long)} over-long prompts",
           file=sys.stderr)
     return summary
+
+
+def self_prompt_text(tokenizer, opening: str, prompt_ids: list[int], answer: list[int], text: str) -> str:
+    """The user message the target wrote: its sampled text, after the opening it was given. The continuation is
+    read from the decoded whole, since a tokenizer may decode the space between the opening and it only there."""
+    if opening:
+        head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        whole = tokenizer.decode(prompt_ids + answer, skip_special_tokens=True)
+        text = opening + (whole[len(head):] if whole.startswith(head) else text)
+    return text.strip()
 
 
 def engine_answers(target, draft, chunks: list[tuple[int, list]], cfg: RegenerateConfig):
