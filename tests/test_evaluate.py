@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash import DFlashDraftModel, spec_generate
-from dflash.evaluate import EvalConfig, evaluate_draft, paired_tau_difference, slot_acceptance
+from dflash.evaluate import EvalConfig, evaluate_draft, paired_tau_difference, slot_acceptance, tau_by_category
 from dflash.generate import default_stop_token_ids
 from test_cli import common, run, setup  # noqa: F401  (the tiny GGUF target and its draft)
 from tiny import tiny_target
@@ -129,7 +129,8 @@ def test_evaluate_with_prompt_lookup_counts_what_generate_with_it_accepts():
 def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path):
     home, draft = setup
     prompts = tmp_path / "held-out.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("hello the", "the cat", "a b c", "x")))
+    prompts.write_text("".join(json.dumps({"prompt": p, **({"category": c} if c else {})}) + "\n"
+                               for p, c in (("hello the", "w"), ("the cat", None), ("a b c", "w"), ("x", "r"))))
     r = run("evaluate", *common(tiny_gguf)[:2], "--dtype", "float32", "--threads", "1", "--draft", draft,
             "--prompts", prompts, "--num-prompts", "3", "--max-new-tokens", "12", "--batch-size", "2",
             "--topk", "1,2", "--out", tmp_path / "out", env_home=home)
@@ -140,7 +141,13 @@ def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())
     assert saved["datasets"]["held-out"]["prompts"] == 3 and saved["hardware"]
     assert (tmp_path / "out" / "slot_acceptance.png").read_bytes()[:4] == b"\x89PNG"
-    assert len(saved["datasets"]["held-out"]["per_prompt"]) == 3
+    held = saved["datasets"]["held-out"]
+    assert len(held["per_prompt"]) == 3
+    # tau per category: the first three prompts' kinds (the second has none); "w" sums its two prompts' counts
+    (s0, t0), _, (s2, t2) = held["per_prompt"]
+    assert set(held["by_category"]) == {"w"} and held["by_category"]["w"] == {
+        "tau": pytest.approx((t0 + t2) / (s0 + s2)), "steps": s0 + s2, "prompts": 2}
+    assert "| held-out | w |" in r.stdout
     # the draft's proposals from a vocabulary it keeps, then from the whole one
     limited = tmp_path / "limited"
     shutil.copytree(draft, limited)
@@ -155,6 +162,15 @@ def test_evaluate_command_writes_table_json_and_plot(tiny_gguf, setup, tmp_path)
                 "--out", tmp_path / f"out{len(extra)}", env_home=home)
         assert r.returncode == 0, r.stderr
         assert json.loads((tmp_path / f"out{len(extra)}" / "results.json").read_text())["proposal_vocabulary"] == size
+
+
+def test_tau_by_category_sums_steps_and_tokens_of_each_kind():
+    per_prompt = [[10, 20], [4, 4], [6, 18], [5, 5]]
+    got = tau_by_category(per_prompt, ["a", None, "a", "b"])
+    assert got == {"a": {"tau": 38 / 16, "steps": 16, "prompts": 2}, "b": {"tau": 1.0, "steps": 5, "prompts": 1}}
+    assert tau_by_category(per_prompt, [None] * 4) == {}
+    with pytest.raises(ValueError):
+        tau_by_category(per_prompt, ["a"])
 
 
 def test_topk_hit_rates_grow_with_k_and_reach_one_at_the_whole_vocabulary():

@@ -48,17 +48,34 @@ def slot_acceptance(acceptance_lengths: list[int], block_size: int) -> list[floa
     return [a / r if r else 0.0 for a, r in zip(accepted, reached)]
 
 
-def encoded_eval_sets(tokenizer, cfg: EvalConfig) -> dict[str, list[list[int]]]:
-    """The prompts of cfg.datasets as token ids (the chat template applied)."""
+def eval_prompt_sets(cfg: EvalConfig) -> dict:
+    """The prompts of cfg.datasets (or of cfg.prompts), as `dflash.prompts.Prompt`s per set."""
     from .bench import bench_prompt_sets
-    from .prompts import encode_prompt, read_prompts
+    from .prompts import read_prompts
 
     if cfg.prompts:
-        sets = {Path(cfg.prompts).stem: read_prompts([cfg.prompts])[:cfg.num_prompts]}
-    else:
-        sets = bench_prompt_sets(cfg.datasets, cfg.num_prompts, cfg.data_dir)
+        return {Path(cfg.prompts).stem: read_prompts([cfg.prompts])[:cfg.num_prompts]}
+    return bench_prompt_sets(cfg.datasets, cfg.num_prompts, cfg.data_dir)
+
+
+def encoded_eval_sets(tokenizer, cfg: EvalConfig, sets: dict | None = None) -> dict[str, list[list[int]]]:
+    """The prompts of cfg.datasets (or the given sets of Prompts) as token ids (the chat template applied)."""
+    from .prompts import encode_prompt
+
     return {name: [encode_prompt(tokenizer, p.messages, None, cfg.chat_template_kwargs) for p in prompts]
-            for name, prompts in sets.items()}
+            for name, prompts in (eval_prompt_sets(cfg) if sets is None else sets).items()}
+
+
+def tau_by_category(per_prompt: list[list[int]], categories: list[str | None]) -> dict[str, dict]:
+    """τ per kind of task within a set (MT-Bench's writing, roleplay, ...; prompts with none left out), from each
+    prompt's [steps, tokens], summed as τ itself is: where a set's τ is low, which of its kinds hold it down."""
+    counts: dict[str, list[int]] = {}
+    for (steps, tokens), cat in zip(per_prompt, categories, strict=True):
+        if cat is not None:
+            c = counts.setdefault(cat, [0, 0, 0])
+            c[0], c[1], c[2] = c[0] + steps, c[1] + tokens, c[2] + 1
+    return {cat: {"tau": tokens / max(1, steps), "steps": steps, "prompts": n}
+            for cat, (steps, tokens, n) in counts.items()}
 
 
 @torch.inference_mode()
@@ -278,6 +295,11 @@ def format_table(results: dict) -> str:
         rows += [f"| {name} | {kind} | {share:.2f} | " + " | ".join(f"{a:.2f}" for a in split[kind]) + " |"
                  for name, split in splits
                  for kind, share in (("copy", split["copy_share"]), ("novel", 1 - split["copy_share"]))]
+    kinds = [(name, r["by_category"]) for name, r in results["datasets"].items() if r.get("by_category")]
+    if kinds:
+        rows += ["", "| dataset | category | τ | prompts |", "|---|---|---|---|"]
+        rows += [f"| {name} | {cat} | {c['tau']:.2f} | {c['prompts']} |" for name, cats in kinds
+                 for cat, c in cats.items()]
     return "\n".join(rows)
 
 
@@ -289,8 +311,14 @@ def run_evaluate(target, tokenizer, draft, cfg: EvalConfig, out: str | None, ext
     from .generate import default_stop_token_ids
     from .prompts import pad_id_for
 
-    results = evaluate_draft(target, draft, encoded_eval_sets(tokenizer, cfg), cfg,
+    sets = eval_prompt_sets(cfg)
+    results = evaluate_draft(target, draft, encoded_eval_sets(tokenizer, cfg, sets), cfg,
                              pad_id=pad_id_for(tokenizer, default_stop_token_ids(target)))
+    for name, prompts in sets.items():
+        categories = [p.meta.get("category") for p in prompts]
+        if any(c is not None for c in categories):
+            results["datasets"][name]["by_category"] = tau_by_category(results["datasets"][name]["per_prompt"],
+                                                                       categories)
     results.update({"config": asdict(cfg), "hardware": hardware(target.device), **(extra or {})})
     print(format_table(results))
     if out:

@@ -149,7 +149,8 @@ def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | No
                 if keep is None or keep(record):
                     content = text(record)
                     out.append(Prompt(f"{src}:{lineno}", [{"role": "user", "content": content}],
-                                      {k: v for k, v in record.items() if k in ("answer", "task_id", "unique_id")}))
+                                      {k: v for k, v in record.items()
+                                       if k in ("answer", "task_id", "unique_id", "category")}))
             continue
         for path in _jsonl_files(Path(src)):
             for lineno, record in _iter_jsonl(path, bad):
@@ -159,8 +160,9 @@ def read_prompts(sources: list[str], data_dir_path=None, bad: list[BadLine] | No
                                                            "or 'turns')"))
                     continue
                 # a prompt file made from a named set (or by the target itself) says where each prompt came from
-                source = record.get("source")
-                out.append(Prompt(f"{path}:{lineno}", msgs, {"source": source} if isinstance(source, str) else {}))
+                # (and, as MT-Bench's questions do, which kind of task it is: `dflash evaluate` gives τ per kind)
+                meta = {k: record[k] for k in ("source", "category") if isinstance(record.get(k), str)}
+                out.append(Prompt(f"{path}:{lineno}", msgs, meta))
     if warn:
         for b in bad:
             print(f"dflash: skipped {b.where}: {b.reason}", file=sys.stderr)

@@ -2,8 +2,8 @@
 
 A source `self:N` asks the target for N prompts of its own: its chat template up to the user's message, sampled
 until the user turn ends; `self:N:OPENING` has each of them begin with OPENING ("Write a poem", "Act as"), which
-steers the prompts towards a kind of task that the plain template rarely brings. Those records (kind "self-prompt") are a prompt file for a second run, which answers
-them; training skips them.
+steers the prompts towards a kind of task that the plain template rarely brings. Those records (kind
+"self-prompt") are a prompt file for a second run, which answers them; training skips them.
 
 The prompts are put in a fixed order (by token length within windows) and cut into fixed chunks of
 `batch_size`; chunk k becomes shard `shard-<start>-<end>.jsonl`, written atomically once all its answers are
