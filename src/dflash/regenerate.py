@@ -143,7 +143,7 @@ def regenerate(cfg: RegenerateConfig, *, target=None, tokenizer=None, draft=None
     for src in self_sources:
         n, opening = SELF.match(src).groups()
         prefix = user_turn_prefix(tokenizer, cfg.system, opening or "")
-        # the opening travels in the record's source, so that the second run's prompt text starts with it
+        # the opening travels with each prompt: the text the second run answers starts with it
         encoded += [(Prompt(f"{src}:{k}", [], {"source": f"self:{k}", "opening": opening or ""}), prefix)
                     for k in range(int(n))]
     for p, ids in too_long:
