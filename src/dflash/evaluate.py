@@ -315,10 +315,10 @@ def run_evaluate(target, tokenizer, draft, cfg: EvalConfig, out: str | None, ext
     results = evaluate_draft(target, draft, encoded_eval_sets(tokenizer, cfg, sets), cfg,
                              pad_id=pad_id_for(tokenizer, default_stop_token_ids(target)))
     for name, prompts in sets.items():
-        categories = [p.meta.get("category") for p in prompts]
-        if any(c is not None for c in categories):
-            results["datasets"][name]["by_category"] = tau_by_category(results["datasets"][name]["per_prompt"],
-                                                                       categories)
+        by_category = tau_by_category(results["datasets"][name]["per_prompt"],
+                                      [p.meta.get("category") for p in prompts])
+        if by_category:  # the set's prompts name their kinds
+            results["datasets"][name]["by_category"] = by_category
     results.update({"config": asdict(cfg), "hardware": hardware(target.device), **(extra or {})})
     print(format_table(results))
     if out:
