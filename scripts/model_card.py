@@ -131,6 +131,25 @@ def merged_comparison(earlier: list[str], new: list[str]) -> list[str]:
     return earlier + [row for row in new[2:] if row.split("|")[1].strip() not in names]
 
 
+def renamed_starts(table: list[str], starts: dict[str, str]) -> list[str]:
+    """The comparison with the start column of the named runs set by hand: a run started from a folder whose
+    draft has since been replaced (the package's, shipped again) names that folder, not the draft it held then.
+    A run the table does not hold is an error."""
+    if not starts:
+        return table
+    col = [c.strip() for c in table[0].split("|")].index("start") if table else 0
+    out, seen = table[:2], set()
+    for row in table[2:]:
+        cells = row.split("|")
+        run = cells[1].strip()
+        if run in starts:
+            cells[col], seen = f" {starts[run]} ", seen | {run}
+        out.append("|".join(cells))
+    if set(starts) - seen:
+        raise SystemExit(f"--start-of: no run {sorted(set(starts) - seen)} in the recipe comparison")
+    return out
+
+
 def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
     """Another draft's held-out τ beside this one's (two `dflash evaluate` results.json), per set and as the ratio;
     evaluations of other prompts, lengths, widths or prompt lookup are not comparable: an error that names the
@@ -215,6 +234,9 @@ def main():
     ap.add_argument("--versus", action="append", default=[], metavar="LABEL=EVALUATE_OUT",
                     help="another draft's `dflash evaluate --out` folder on the same sets, set beside this one's")
     ap.add_argument("--ablation", help="scripts/ablation_table.py's ablation.json: the recipe comparison")
+    ap.add_argument("--start-of", action="append", default=[], metavar="RUN=START",
+                    help="what the comparison's run RUN started from, where its record names a folder that holds "
+                    "another draft now (the package's)")
     args = ap.parse_args()
     if not args.train and not args.earlier_card:
         ap.error("--train is needed, or --earlier-card alone for a new card of that same draft")
@@ -224,6 +246,8 @@ def main():
         ap.error("--versus compares with this draft's --evaluate: give it")
     if any("=" not in v for v in args.versus):
         ap.error("--versus takes LABEL=EVALUATE_OUT")
+    if any("=" not in v for v in args.start_of):
+        ap.error("--start-of takes RUN=START")
     earlier = Path(args.earlier_card).read_text() if args.earlier_card else ""
     data_lines, n_samples, n_tokens = [], 0, 0
     for folder in map(Path, args.data):
@@ -286,6 +310,7 @@ def main():
     # the earlier card's comparison rows stay: the runs behind them may be gone (another machine, an older stop)
     recipe = "Recipe comparison (`scripts/ablation_table.py`)"
     comparison = merged_comparison(section(earlier, recipe), ablation_lines(Path(args.ablation)) if args.ablation else [])
+    comparison = renamed_starts(comparison, dict(v.split("=", 1) for v in args.start_of))
     if comparison:
         lines += [f"## {recipe}", *comparison, ""]
     if bench:

@@ -121,6 +121,16 @@ def test_a_later_stage_keeps_the_earlier_cards_recipe_comparison(tmp_path):
     kept = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench",
                  paths["bench"], "--out", tmp_path / "kept.md")
     assert runs(kept) == runs(first) == ["r0", "r1"]
+    # a carried row's start set by hand: the folder it names held another draft then
+    renamed = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench",
+                    paths["bench"], "--start-of", "r1=r0", "--out", tmp_path / "renamed.md")
+    starts = {line.split("|")[1].strip(): line.split("|")[11].strip() for line in renamed.splitlines()
+              if line.startswith("| r") and "| dflash |" in line}
+    assert starts == {"r0": "fresh", "r1": "r0"}
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--train", two, "--earlier-card", tmp_path / "first.md",
+                          "--data", paths["data"], "--bench", paths["bench"], "--start-of", "r9=r0", "--out",
+                          tmp_path / "bad.md"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "no run ['r9']" in bad.stderr
 
 
 def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison(tmp_path):
