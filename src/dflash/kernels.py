@@ -202,14 +202,28 @@ class _WeightOnlyQuantized:
         return y if bias is None else y + bias
 
 
+def by_rows(w: torch.Tensor, group: int, quantize, rows: int = 1024) -> list[torch.Tensor]:
+    """quantize(fp32 groups [r, in/group, group]) -> (q [r, in], per-group tensors [r, in/group]...) over w's rows a
+    block at a time, joined: the fp32 temporaries of a block stay in cache where the whole weight's would stream
+    through memory several times (the default model's 49152 x 576 head as Q8_0: 75 ms against 225 ms in one piece on
+    an AMD EPYC with AVX-512, 2 threads; a first generation, which prepares the runtime's weights, came 0.15-0.3 s
+    sooner). The same values as in one piece."""
+    out_features, in_features = w.shape
+    parts = [quantize(w[r:r + rows].detach().float().view(-1, in_features // group, group))
+             for r in range(0, out_features, rows)]
+    return [p[0] if len(p) == 1 else torch.cat(p) for p in zip(*parts)]
+
+
 class Int8Weight(_WeightOnlyQuantized):
     """A weight quantised per output row to int8 (symmetric), multiplied by PyTorch's weight-only int8 kernel:
     half the bytes of bf16 to stream through memory per token."""
 
     def __init__(self, w: torch.Tensor):
-        w = w.detach()
-        scale = w.float().abs().amax(1).clamp(min=1e-12) / 127
-        self.qweight = (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        def rows(g):  # [r, 1, in]: a row is one group
+            scale = g.abs().amax(-1).clamp(min=1e-12) / 127
+            return (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).flatten(1), scale.flatten()
+
+        self.qweight, scale = by_rows(w, w.shape[1], rows)
         self.scale = scale.to(w.dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -387,11 +401,13 @@ class Int4Weight(_WeightOnlyQuantized):
         if in_features % self.GROUP:
             raise DFlashConfigError(f"int4 needs the input size of every linear layer to be a multiple of "
                                     f"{self.GROUP}; a weight has {in_features}")
-        groups = w.detach().float().view(out_features, in_features // self.GROUP, self.GROUP)
-        low, high = groups.amin(-1), groups.amax(-1)  # [out, groups]
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-        q = q.view(out_features, in_features)
+
+        def q4_1(g):
+            low = g.amin(-1)  # [r, groups]
+            scale = ((g.amax(-1) - low) / 15).clamp(min=1e-12)
+            return ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).flatten(1), low, scale
+
+        q, low, scale = by_rows(w, self.GROUP, q4_1)  # [out, in], [out, groups] x 2
         self.ours = ours is not False and self.fits(w)
         if ours and not self.ours:
             raise DFlashConfigError(f"dflash's int4 kernel cannot take a weight of {out_features} outputs on "
@@ -434,9 +450,12 @@ class Q8Weight(_WeightOnlyQuantized):
             raise DFlashConfigError(f"a Q8_0 weight needs dflash's kernel, outputs a multiple of 8 and inputs a "
                                     f"multiple of {self.GROUP}; got {tuple(w.shape)}")
         out_features, in_features = w.shape
-        groups = w.detach().float().view(out_features, in_features // self.GROUP, self.GROUP)
-        scale = (groups.abs().amax(-1) / 127).clamp(min=1e-12)  # [out, groups]
-        q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view(out_features, in_features)
+
+        def q8_0(g):
+            scale = (g.abs().amax(-1) / 127).clamp(min=1e-12)  # [r, groups]
+            return (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).flatten(1), scale
+
+        q, scale = by_rows(w, self.GROUP, q8_0)
         self.op = int4_op(name="q8_linear")
         tiles = out_features // 8
         # the layout csrc/int4.cpp documents: [tile, quad, output, input]
