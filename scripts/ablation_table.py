@@ -1,8 +1,9 @@
 """The recipe comparison, from training runs' own records: per run its data, depth, block, gamma, anchors,
 start, learning rate, schedule, hours and steps, and the last held-out evaluation (τ per test set, as
 `dflash train --eval-datasets` logs it, or, given as RUN=FOLDER, the `dflash evaluate --out FOLDER` of the run's
-draft, which can hold more prompts and tokens than a training run affords); a markdown table, a plot of mean τ
-against hours (PNG) and one JSON line.
+draft, which can hold more prompts and tokens than a training run affords); a `dflash average` folder of runs'
+finals is a row of its own (its runs' hours added up). A markdown table, a plot of mean τ against hours (PNG)
+and one JSON line.
 
     python scripts/ablation_table.py runs/train/r0 runs/train/r1=runs/eval/r1 ... [--out runs/train/ablation]
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_card import stage  # noqa: E402  (a run's steps and wall time over all its sittings)
+from model_card import averaged_runs, sequences_per_step, stage  # noqa: E402  (a run's steps and wall time)
 
 
 def run_row(arg: str, names: dict[Path, str] | None = None) -> dict:
@@ -37,21 +38,41 @@ def run_row(arg: str, names: dict[Path, str] | None = None) -> dict:
             curve.append(((wall + prev) / 3600, e["eval_tau"]))
     tau, mean, source = {k: v["tau"] for k, v in last.get("eval", {}).items()}, last.get("eval_tau"), "training log"
     if evaluated:
-        res = json.loads((Path(evaluated) / "results.json").read_text())
-        c = res["config"]
-        tau, mean = {k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"]
-        source = f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}"
+        tau, mean, source = evaluation(evaluated)
     saved = saved_draft(folder)
     return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"],
             "depth": saved.get("num_hidden_layers", cfg["num_layers"]), "kv": saved.get("num_key_value_heads", ""),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
-            "batch": cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1),
+            "batch": sequences_per_step(cfg),
             "distill": cfg.get("distill", 0.0),
             # what the hours bought: the target run live or its features read from a cache, the step compiled or not
             "step_kind": ("cached" if cfg.get("features") else "live") + (", compiled" if cfg.get("compile") else ""),
             "start": "target layers" if cfg.get("init_from_target") else start_name(cfg.get("init_draft"), names),
             "lr": cfg["lr"], "schedule": cfg.get("schedule", {}), "hours": round(s["wall"] / 3600, 2),
             "steps": s["steps"], "tau": tau, "mean_tau": mean, "evaluation": source, "curve": curve}
+
+
+def evaluation(folder: str) -> tuple[dict, float, str]:
+    """τ per set, mean τ and what measured them, from a `dflash evaluate --out` folder."""
+    res = json.loads((Path(folder) / "results.json").read_text())
+    c = res["config"]
+    return ({k: v["tau"] for k, v in res["datasets"].items()}, res["mean_tau"],
+            f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}")
+
+
+def averaged_row(arg: str, names: dict[Path, str] | None = None) -> dict:
+    """The row of a `dflash average` folder: its runs' settings (a/b where they differ), their hours and steps
+    added up (both were paid for), and τ from the average's own evaluation (none without one)."""
+    folder, _, evaluated = arg.partition("=")
+    runs, _ = averaged_runs(folder)
+    rows = [run_row(r, names) for r in runs]
+    row = {k: rows[0][k] if all(r[k] == rows[0][k] for r in rows) else "/".join(str(r[k]) for r in rows)
+           for k in rows[0]}
+    row.update(run=Path(folder).name, hours=round(sum(r["hours"] for r in rows), 2),
+               steps=sum(r["steps"] for r in rows), curve=[], tau={}, mean_tau=None, evaluation="")
+    if evaluated:
+        row["tau"], row["mean_tau"], row["evaluation"] = evaluation(evaluated)
+    return row
 
 
 def start_name(init_draft: str | None, names: dict[Path, str] | None = None) -> str:
@@ -105,7 +126,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     folders = [Path(r.partition("=")[0]) for r in args.runs]
     names = {f.resolve(): f.name for f in folders}
-    rows = [run_row(r, names) for r in args.runs]
+    rows = [(averaged_row if averaged_runs(r.partition("=")[0]) else run_row)(r, names) for r in args.runs]
     print("\n".join(table_lines(rows)))
     if args.out:
         import matplotlib

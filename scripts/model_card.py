@@ -172,20 +172,64 @@ def versus_lines(ours: dict, label: str, theirs: dict) -> list[str]:
     return lines
 
 
+def averaged_runs(spec: str) -> tuple[list[str], list[float]] | None:
+    """The training runs and weights of a `dflash average` folder (its drafts are runs' finals), else None."""
+    record = Path(spec.partition(":")[0]) / "average.json"
+    if not record.is_file():
+        return None
+    if ":" in spec:
+        raise SystemExit(f"--train {spec}: an averaged draft has no steps to cut at")
+    rec = json.loads(record.read_text())
+    runs = [Path(d) for d in rec["drafts"]]
+    if any(r.name != "final" or not (r.parent / "train_config.json").is_file() for r in runs):
+        raise SystemExit(f"--train {spec}: the average is not of training runs' finals ({rec['drafts']})")
+    return [str(r.parent) for r in runs], rec["weights"]
+
+
+def sequences_per_step(cfg: dict) -> int:
+    """Answers per optimizer step, over accumulation and processes."""
+    return cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1)
+
+
+def stage_text(s: dict) -> str:
+    """What one run of a stage trained on, how, for how long, and what it reached."""
+    c = s["cfg"]
+    eagle = c.get("method") == "eagle3"
+    # the chain's loss weighs unrolled step i by 0.8^i (dflash.eagle); gamma is DFlash's block-slot decay
+    loss = (f"{c.get('ttt_steps') or c['block_size'] - 1} training-time-test steps" if eagle else
+            f"block size {c['block_size']}, gamma {c['gamma']:.2f}")
+    schedule = c.get("schedule") or {}
+    measured = (f"{c.get('eval_prompts')} test prompts per set, {c.get('eval_max_new_tokens')} new tokens"
+                if c.get("eval_datasets") else f"{c['eval_records']} held-out training answers")
+    span = (f"cosine over {schedule['total_steps']} steps, a {schedule['max_hours']} h budget"
+            if schedule.get("max_hours") else
+            f"cosine over {c['total_steps']} steps" if c.get("schedule_steps") else
+            f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
+    return (f"on {c['train_records']} answers ({c['eval_records']} held out): {loss}, "
+            f"{c['num_anchors']} anchors per sequence, {sequences_per_step(c)} sequences per step, lr {c['lr']} "
+            f"({span}), max length {c['max_length']}: {s['steps']} optimizer steps, "
+            f"{s['wall'] / 3600:.2f} h of wall time on {c['threads']} thread(s), last loss {s['loss']:.3f}, "
+            f"held-out tau {s['tau']:.2f} ({measured})")
+
+
 def trained_sections(train: list[str], earlier: str, earlier_card: str | None) -> tuple[str, list[str], list[str]]:
     """The card's title, its draft section and its training section, from the training runs (the stages of an
-    earlier card before them)."""
-    stages = [stage(s) for s in train]
+    earlier card before them). A stage given as a `dflash average` folder is the runs it averaged, side by side."""
+    groups = []  # per stage: its runs' records, and the average's weights (None: one run)
+    for spec in train:
+        averaged = averaged_runs(spec)
+        groups.append(([stage(r) for r in averaged[0]], averaged[1]) if averaged else ([stage(spec)], None))
     before, before_steps, before_hours = earlier_stages(earlier, Path(earlier_card)) if earlier else ([], 0, 0.0)
-    first = stages[0]["cfg"]
-    final = Path(train[-1].partition(":")[0]) / "final" / "config.json"
+    first = groups[0][0][0]["cfg"]
+    last = Path(train[-1].partition(":")[0])
+    final = (last if groups[-1][1] else last / "final") / "config.json"
     draft_cfg = json.loads(final.read_text())
     from safetensors import safe_open
 
     proposals = first["draft_vocab_size"] or draft_cfg["vocab_size"]
-    weights = final.parent / "model.safetensors"
-    if weights.is_file():  # a fine-tune keeps the draft vocabulary of the draft it started from
-        with safe_open(weights, "pt") as f:
+    tensors = final.parent / "model.safetensors"
+    if tensors.is_file():  # a fine-tune keeps the draft vocabulary of the draft it started from
+        with safe_open(tensors, "pt") as f:
             if "draft_vocab" in f.keys():
                 proposals = f.get_slice("draft_vocab").get_shape()[0]
     eagle = draft_cfg.get("draft_method") == "eagle3"
@@ -195,27 +239,19 @@ def trained_sections(train: list[str], earlier: str, earlier_card: str | None) -
     draft = [f"- {draft_cfg['num_hidden_layers']} draft layer(s), {shape}, target layers {first['target_layer_ids']}, "
              f"proposals from the {proposals} most frequent answer tokens."]
     lines = list(before)
-    for i, s in enumerate(stages, start=len(before)):
-        c = s["cfg"]
-        copied = " (layers copied from the target's last ones)" if c.get("init_from_target") else ""
-        start = f"a fresh draft{copied}" if i == 0 else "the previous stage"
-        # the chain's loss weighs unrolled step i by 0.8^i (dflash.eagle); gamma is DFlash's block-slot decay
-        loss = (f"{c.get('ttt_steps') or c['block_size'] - 1} training-time-test steps" if eagle else
-                f"block size {c['block_size']}, gamma {c['gamma']:.2f}")
-        schedule = c.get("schedule") or {}
-        measured = (f"{c.get('eval_prompts')} test prompts per set, {c.get('eval_max_new_tokens')} new tokens"
-                    if c.get("eval_datasets") else f"{c['eval_records']} held-out training answers")
-        span = (f"cosine over {schedule['total_steps']} steps, a {schedule['max_hours']} h budget"
-                if schedule.get("max_hours") else
-                f"cosine over {c['total_steps']} steps" if c.get("schedule_steps") else
-                f"cosine over {c['epochs']} epoch(s) of {c['total_steps'] // c['epochs']} steps")
-        lines.append(
-            f"- Stage {i + 1}, from {start}, on {c['train_records']} answers ({c['eval_records']} held out): {loss}, "
-            f"{c['num_anchors']} anchors per sequence, lr {c['lr']} ({span}), max length {c['max_length']}: "
-            f"{s['steps']} optimizer steps, "
-            f"{s['wall'] / 3600:.2f} h of wall time on {c['threads']} thread(s), last loss {s['loss']:.3f}, held-out tau {s['tau']:.2f} ({measured}).")
-    total = before_hours + sum(s["wall"] for s in stages) / 3600
-    lines.append(f"- In all {before_steps + sum(s['steps'] for s in stages)} steps and {total:.2f} h of training "
+    for i, (runs, weights) in enumerate(groups, start=len(before)):
+        copied = " (layers copied from the target's last ones)" if runs[0]["cfg"].get("init_from_target") else ""
+        start = f"from a fresh draft{copied}" if i == 0 else "from the previous stage"
+        if weights is None:
+            lines.append(f"- Stage {i + 1}, {start}, {stage_text(runs[0])}.")
+        else:
+            shares = "/".join(f"{w:.2f}" for w in weights)
+            lines.append(f"- Stage {i + 1}, {start}, {len(runs)} runs side by side, their weights then averaged "
+                         f"(`dflash average`, weights {shares}): " +
+                         "; ".join(f"({chr(97 + j)}) {stage_text(r)}" for j, r in enumerate(runs)) + ".")
+    runs = [r for rs, _ in groups for r in rs]
+    total = before_hours + sum(s["wall"] for s in runs) / 3600
+    lines.append(f"- In all {before_steps + sum(s['steps'] for s in runs)} steps and {total:.2f} h of training "
                  f"(target dtype {first['dtype']}, {first['device'] or 'cpu'}).")
     return title, draft, lines
 

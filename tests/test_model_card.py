@@ -178,7 +178,7 @@ def _evaluation(folder: Path, taus: dict, num_prompts: int = 40, per_prompt: boo
             r["per_prompt"] = [[10, round(10 * r["tau"])]] * 4
     (folder / "results.json").write_text(json.dumps({
         "block_size": 8, "hardware": "a CPU", "config": {"num_prompts": num_prompts, "max_new_tokens": 128},
-        "datasets": sets}))
+        "datasets": sets, "mean_tau": sum(taus.values()) / len(taus)}))
     (folder / "slot_acceptance.png").write_bytes(b"\x89PNG fake")
     return folder
 
@@ -251,3 +251,37 @@ def test_a_card_of_the_same_draft_measured_again_keeps_its_draft_and_training(tm
         out = subprocess.run([sys.executable, str(SCRIPT), *map(str, args), "--data", str(paths["data"]),
                               "--out", str(tmp_path / "x.md")], capture_output=True, text=True)
         assert out.returncode != 0 and words in out.stderr
+
+
+def test_an_averaged_stage_is_its_runs_side_by_side_in_the_card_and_the_comparison(tmp_path):
+    paths = _inputs(tmp_path)
+    one = _run_folder(tmp_path / "one", sittings=[[(30, 900.0)]], tau=1.5, method="dflash", num_layers=1)
+    # two runs from stage 1's draft, other anchors and batches; their finals averaged (dflash average's record)
+    a = _run_folder(tmp_path / "a", sittings=[[(20, 1800.0)]], tau=2.0, method="dflash", batch_size=8,
+                    num_layers=1, init_draft=f"{one}/final")
+    b = _run_folder(tmp_path / "b", sittings=[[(40, 3600.0)]], tau=2.1, method="dflash", num_anchors=8, batch_size=4,
+                    num_layers=1, init_draft=f"{one}/final")
+    soup = tmp_path / "soup"
+    soup.mkdir()
+    (soup / "config.json").write_text((tmp_path / "a" / "final" / "config.json").read_text())
+    (soup / "average.json").write_text(json.dumps({"drafts": [f"{a}/final", f"{b}/final"], "weights": [0.5, 0.5]}))
+    card = _card("--train", one, "--train", soup, "--data", paths["data"], "--bench", paths["bench"],
+                 "--out", tmp_path / "card.md")
+    line = next(x for x in card.splitlines() if x.startswith("- Stage 2"))
+    assert "2 runs side by side, their weights then averaged (`dflash average`, weights 0.50/0.50)" in line
+    assert "(a) on 9 answers" in line and "4 anchors per sequence, 8 sequences per step" in line
+    assert "(b) on 9 answers" in line and "8 anchors per sequence, 4 sequences per step" in line
+    assert "20 optimizer steps, 0.50 h" in line and "40 optimizer steps, 1.00 h" in line
+    assert "In all 90 steps and 1.75 h of training" in card  # both runs were paid for
+    cut = subprocess.run([sys.executable, str(SCRIPT), "--train", f"{soup}:10", "--data", paths["data"], "--bench",
+                          paths["bench"], "--out", tmp_path / "bad.md"], capture_output=True, text=True)
+    assert cut.returncode != 0 and "no steps to cut at" in cut.stderr
+
+    evaluate = _evaluation(tmp_path / "eval", {"gsm8k": 2.4, "mbpp": 2.0})
+    table = subprocess.run([sys.executable, str(SCRIPT.parent / "ablation_table.py"), str(one), str(a), str(b),
+                            f"{soup}={evaluate}"], check=True, capture_output=True, text=True).stdout
+    row = next(x for x in table.splitlines() if x.startswith("| soup "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[7:9] == ["4/8", "8/4"]  # anchors and sequences/step: a's/b's
+    assert cells[10] == "one" and cells[13:15] == ["1.5", "60"]  # started from stage 1; hours and steps added up
+    assert cells[15:] == ["2.40", "2.00", "2.20", "evaluate 40×128, block 8"]

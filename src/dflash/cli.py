@@ -145,6 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "Rerun to add shards finished since.")
     pk.add_argument("dataset", help="a folder written by `dflash regenerate`")
     pk.add_argument("-o", "--output", required=True, help="the packed folder")
+    av = sub.add_parser("average", formatter_class=fmt, help="one draft from the mean of several drafts' weights",
+                        description="Average the weights of drafts trained on from one start (other seeds, data "
+                        "or settings: a 'model soup'); they must be the same network over the same target. Writes "
+                        "the draft and average.json (what it was made of).")
+    av.add_argument("drafts", nargs="+", help="draft folders (at least two)")
+    av.add_argument("-o", "--output", required=True, help="folder for the averaged draft")
+    av.add_argument("--weights", type=float, nargs="+", default=None,
+                    help="one positive weight per draft (normalised to sum to 1); None = equal")
+    av.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the averaged weights")
     _train_parsers(sub, fmt)
     be = sub.add_parser("bench", formatter_class=fmt, help="measure DFlash against plain decoding",
                         description="Run AR and DFlash back to back on every prompt; print a table, write "
@@ -371,6 +381,13 @@ def cmd_pack(args) -> int:
     from .dataset import pack
 
     print(json.dumps(pack(args.dataset, args.output)))
+    return 0
+
+
+def cmd_average(args) -> int:
+    from .average import average_drafts
+
+    print(json.dumps(average_drafts(args.drafts, args.output, args.weights, args.save_dtype)))
     return 0
 
 
@@ -642,9 +659,9 @@ def main(argv=None) -> int:
         log.setLevel(logging.INFO)
     try:
         parse_template_kwargs(getattr(args, "chat_template_kwargs", None))  # a bad one fails before any loading
-        return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "pack": cmd_pack, "train": cmd_train,
-                "features": cmd_features, "bench": cmd_bench, "evaluate": cmd_evaluate, "serve": cmd_serve,
-                "bench-serve": cmd_bench_serve}[args.command](args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "regenerate": cmd_regenerate, "pack": cmd_pack,
+                "average": cmd_average, "train": cmd_train, "features": cmd_features, "bench": cmd_bench,
+                "evaluate": cmd_evaluate, "serve": cmd_serve, "bench-serve": cmd_bench_serve}[args.command](args)
     except DFlashError as e:
         print(f"dflash: error: {e}", file=sys.stderr)
         return 2
