@@ -9,10 +9,10 @@
 #   DFLASH_DATA_DIR=../shared/data bash scripts/build_eagle3_draft.sh
 #
 # Equal compute: the peer's cosine schedule is sized (--max-hours) to the wall-clock hours the DFlash draft took
-# (every stage build_default_draft.sh trained, every sitting of each added up), on the same data and feature cache,
-# in the same precision (--autocast auto), on THREADS threads as those; HOURS=H overrides that. Train both on the
-# same machine: hours on two machines are not the same compute. The peer drafts a chain of CHAIN tokens, verified
-# at width CHAIN+1 as DFlash's block of 8.
+# (every stage build_default_draft.sh trained, both runs of an averaged one, every sitting of each added up), on the
+# same data and feature cache, in the same precision (--autocast auto), on THREADS threads as those; HOURS=H
+# overrides that. Train both on the same machine: hours on two machines are not the same compute. The peer drafts a
+# chain of CHAIN tokens, verified at width CHAIN+1 as DFlash's block of 8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${DFLASH_DATA_DIR:?point DFLASH_DATA_DIR at the folder holding chat/, gsm8k/, mbpp/}"
@@ -28,8 +28,8 @@ CACHE=(); for d in "${ALL[@]}"; do CACHE+=("$WORK/features/$(basename "$d")"); d
 DFLASH_EVAL="$WORK/evaluate"                 # the DFlash draft's held-out evaluation (build_default_draft.sh's)
 [ -f "$WORK/stages.txt" ] && [ -f "$DFLASH_EVAL/results.json" ] || {
     echo "build_eagle3_draft.sh: no finished DFlash draft in $WORK (run build_default_draft.sh)" >&2; exit 2; }
-HOURS="${HOURS:-$(PYTHONPATH=scripts python -c "import sys; from model_card import stage; \
-print(round(sum(stage(run)['wall'] for run in sys.argv[1:]) / 3600, 3))" $(cat "$WORK/stages.txt"))}"
+HOURS="${HOURS:-$(PYTHONPATH=scripts python -c "import sys; from model_card import runs_of, stage; \
+print(round(sum(stage(r)['wall'] for s in sys.argv[1:] for r in runs_of(s)) / 3600, 3))" $(cat "$WORK/stages.txt"))}"
 echo "build_eagle3_draft.sh: the peer trains for the DFlash draft's $HOURS h" >&2
 
 PEER="$WORK/eagle3"

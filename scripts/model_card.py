@@ -186,6 +186,12 @@ def averaged_runs(spec: str) -> tuple[list[str], list[float]] | None:
     return [str(r.parent) for r in runs], rec["weights"]
 
 
+def runs_of(spec: str) -> list[str]:
+    """The training runs behind a --train spec: the runs a `dflash average` folder averaged, else the run itself."""
+    averaged = averaged_runs(spec)
+    return averaged[0] if averaged else [spec]
+
+
 def sequences_per_step(cfg: dict) -> int:
     """Answers per optimizer step, over accumulation and processes."""
     return cfg.get("batch_size", 1) * cfg.get("grad_accum", 1) * cfg.get("world_size", 1)
