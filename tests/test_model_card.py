@@ -273,6 +273,11 @@ def test_an_averaged_stage_is_its_runs_side_by_side_in_the_card_and_the_comparis
     assert "(b) on 9 answers" in line and "8 anchors per sequence, 4 sequences per step" in line
     assert "20 optimizer steps, 0.50 h" in line and "40 optimizer steps, 1.00 h" in line
     assert "In all 90 steps and 1.75 h of training" in card  # both runs were paid for
+    # what build_eagle3_draft.sh adds up for the peer's equal compute
+    runs = subprocess.run([sys.executable, "-c", "import sys; from model_card import runs_of; "
+                           "print(runs_of(sys.argv[1]), runs_of(sys.argv[2]))", str(soup), one],
+                          cwd=SCRIPT.parent, check=True, capture_output=True, text=True).stdout
+    assert runs.strip() == str([a, b]) + " " + str([one])
     cut = subprocess.run([sys.executable, str(SCRIPT), "--train", f"{soup}:10", "--data", paths["data"], "--bench",
                           paths["bench"], "--out", tmp_path / "bad.md"], capture_output=True, text=True)
     assert cut.returncode != 0 and "no steps to cut at" in cut.stderr
