@@ -8,6 +8,9 @@
 #                  a stub to complete), and code-complete-s1/, -s2/: two sampled answers to each (temperature 0.8)
 #   task-answers/  greedy answers to prompts the target wrote from given openings (task-prompts/: "Write a poem",
 #                  "Act as", ...: writing, role-play and reasoning tasks, which the plain template seldom brings)
+#   task-answers-2/ the same from other openings (task-prompts-2/: travel posts, reviews, dialogues, personas,
+#                  riddles, extraction and summaries, STEM and humanities questions, code to write or fix: the kinds
+#                  of MT-Bench's and HumanEval's prompts that the first openings seldom bring)
 # Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
 # Chunks already packed into data/smollm2-135m-instruct/<part>/ (committed, so they outlive runs/ and the machine)
 # are not answered again; keep them with `dflash pack runs/data/<part> -o data/smollm2-135m-instruct/<part>`.
@@ -53,3 +56,13 @@ TASKS=(); for o in "${OPENINGS[@]}"; do TASKS+=("self:$TASK_PROMPTS:$o"); done
 dflash regenerate "${TASKS[@]}" -o "$WORK/task-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
     --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
 dflash regenerate "$WORK/task-prompts" -o "$WORK/task-answers" --batch-size 32 "${COMMON[@]}" $(kept task-answers)
+
+OPENINGS2=("Write a travel blog post" "Write a review of" "Write a dialogue between" "Edit the following paragraph"
+           "Embody the persona of" "Role-play as" "As a" "Solve this riddle" "Which is more likely" "Calculate"
+           "Extract" "Summarize" "Identify" "How does" "Why do" "Discuss" "Analyze" "Write a Python function"
+           "Implement a" "Fix the bug in")
+TASKS2=(); for o in "${OPENINGS2[@]}"; do TASKS2+=("self:$TASK_PROMPTS:$o"); done
+dflash regenerate "${TASKS2[@]}" -o "$WORK/task-prompts-2" --batch-size 64 --temperature 0.8 --top-p 0.95 \
+    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
+dflash regenerate "$WORK/task-prompts-2" -o "$WORK/task-answers-2" --batch-size 32 "${COMMON[@]}" \
+    $(kept task-answers-2)
