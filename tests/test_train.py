@@ -652,6 +652,23 @@ def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeyp
     with pytest.raises(DFlashError, match="other settings"):
         regenerate(RegenerateConfig(output=str(tmp_path / "other"), packed=str(tmp_path / "packed"),
                                     **{**cfg, "seed": 4}), target=target, tokenizer=tok, progress=False)
+    # the same prompt file read from another place (another machine's checkout, a relative path): the same run;
+    # a file of another name is not
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(prompts, tmp_path / "elsewhere" / "prompts.jsonl")
+    shutil.copy(prompts, tmp_path / "elsewhere" / "other.jsonl")
+    moved = regenerate(RegenerateConfig(output=str(tmp_path / "moved"), packed=str(tmp_path / "packed"),
+                                        **{**cfg, "sources": [str(tmp_path / "elsewhere" / "prompts.jsonl")]}),
+                       target=target, tokenizer=tok, progress=False)
+    assert moved["written_now"] == 48 - 16
+    def ids(folder, name):
+        return [json.loads(line)["input_ids"] for line in (tmp_path / folder / name).read_text().splitlines()]
+
+    assert all(ids("moved", n) == ids("whole", n) for n in fresh)  # the same answers (records name their file)
+    with pytest.raises(DFlashError, match="other settings"):
+        regenerate(RegenerateConfig(output=str(tmp_path / "renamed"), packed=str(tmp_path / "packed"),
+                                    **{**cfg, "sources": [str(tmp_path / "elsewhere" / "other.jsonl")]}),
+                   target=target, tokenizer=tok, progress=False)
 
 
 def test_the_target_writes_prompts_that_a_second_run_answers(lang, tmp_path):

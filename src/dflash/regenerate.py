@@ -73,9 +73,17 @@ def fixed_order(items: list, batch_size: int, seed: int, window: int = 8) -> lis
     return [x for k in range(0, len(items), span) for x in sorted(items[k:k + span], key=lambda pi: len(pi[1]))]
 
 
-def _settings_diff(settings: dict | None, cfg: RegenerateConfig) -> dict:
-    """{setting: (stored, cfg's)} for every setting a folder's manifest records otherwise than cfg."""
+def _settings_diff(settings: dict | None, cfg: RegenerateConfig, moved: bool = False) -> dict:
+    """{setting: (stored, cfg's)} for every setting a folder's manifest records otherwise than cfg. moved: the
+    stored run may have read its prompt files from another place (another machine's checkout), so a prompt file
+    or folder counts by its name."""
     settings, mine = settings or {}, cfg.identity()
+    if moved:
+        def named(sources):
+            return [Path(x).name if os.sep in x or "/" in x else x for x in sources or []]
+
+        settings = {**settings, "sources": named(settings.get("sources"))}
+        mine = {**mine, "sources": named(mine.get("sources"))}
     return {k: (settings.get(k), mine.get(k)) for k in {**settings, **mine} if settings.get(k) != mine.get(k)}
 
 
@@ -90,7 +98,7 @@ def packed_chunks(folder: str | os.PathLike, cfg: RegenerateConfig) -> set[int]:
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         raise DFlashError(f"--packed {folder}: not a packed dataset folder (no manifest.json)")
-    diff = _settings_diff(json.loads(manifest.read_text()).get("settings"), cfg)
+    diff = _settings_diff(json.loads(manifest.read_text()).get("settings"), cfg, moved=True)
     if diff:
         raise DFlashError(f"--packed {folder} holds answers made with other settings {diff} (theirs, this run's); "
                           "its chunks cannot stand for this run's")
