@@ -80,7 +80,7 @@ def _settings_diff(settings: dict | None, cfg: RegenerateConfig, moved: bool = F
     settings, mine = settings or {}, cfg.identity()
     if moved:
         def named(sources):
-            return [Path(x).name if os.sep in x or "/" in x else x for x in sources or []]
+            return [Path(x).name if (os.sep in x or "/" in x) and not SELF.match(x) else x for x in sources or []]
 
         settings = {**settings, "sources": named(settings.get("sources"))}
         mine = {**mine, "sources": named(mine.get("sources"))}
