@@ -60,11 +60,15 @@ def evaluation(folder: str) -> tuple[dict, float, str]:
             f"evaluate {c['num_prompts']}×{c['max_new_tokens']}, block {res['block_size']}")
 
 
-def averaged_row(arg: str, names: dict[Path, str] | None = None) -> dict:
+def averaged_row(arg: str, names: dict[Path, str] | None = None) -> dict | None:
     """The row of a `dflash average` folder: its runs' settings (a/b where they differ), their hours and steps
-    added up (both were paid for), and τ from the average's own evaluation (none without one)."""
+    added up (both were paid for), and τ from the average's own evaluation (none without one); None for a folder
+    that is not an average."""
     folder, _, evaluated = arg.partition("=")
-    runs, _ = averaged_runs(folder)
+    averaged = averaged_runs(folder)
+    if averaged is None:
+        return None
+    runs, _ = averaged
     rows = [run_row(r, names) for r in runs]
     row = {k: rows[0][k] if all(r[k] == rows[0][k] for r in rows) else "/".join(str(r[k]) for r in rows)
            for k in rows[0]}
@@ -126,7 +130,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     folders = [Path(r.partition("=")[0]) for r in args.runs]
     names = {f.resolve(): f.name for f in folders}
-    rows = [(averaged_row if averaged_runs(r.partition("=")[0]) else run_row)(r, names) for r in args.runs]
+    rows = [averaged_row(r, names) or run_row(r, names) for r in args.runs]
     print("\n".join(table_lines(rows)))
     if args.out:
         import matplotlib

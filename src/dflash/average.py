@@ -18,7 +18,7 @@ import torch
 
 from .config import DFlashConfig
 from .errors import DFlashConfigError, DFlashInputError
-from .io import atomic_path, atomic_write_text
+from .io import atomic_write_text
 
 RECORD = "average.json"  # what the average was made of, beside its weights (scripts/model_card.py reads it)
 
@@ -32,7 +32,7 @@ def average_drafts(folders: list[str | os.PathLike], output: str | os.PathLike, 
     """Writes the weighted mean of the drafts in `folders` (equal weights by default) to `output`, in `dtype`;
     returns the record it writes beside it (average.json). Floating-point tensors are averaged in fp64; integer
     ones (the proposal vocabulary) must be equal in every draft."""
-    from .model import _read_weights
+    from .model import _read_weights, write_draft
 
     folders = [Path(f) for f in folders]
     if len(folders) < 2:
@@ -51,11 +51,12 @@ def average_drafts(folders: list[str | os.PathLike], output: str | os.PathLike, 
     weights = [w / total for w in weights]
 
     config = DFlashConfig.load(folders[0])
+    first = _comparable(config)
     summed: dict[str, torch.Tensor] = {}
     for i, (folder, w) in enumerate(zip(folders, weights)):
-        cfg = DFlashConfig.load(folder) if i else config
-        if _comparable(cfg) != _comparable(config):
-            diff = sorted(k for k, v in _comparable(cfg).items() if _comparable(config)[k] != v)
+        theirs = _comparable(DFlashConfig.load(folder)) if i else first
+        if theirs != first:
+            diff = sorted(k for k, v in theirs.items() if first[k] != v)
             raise DFlashConfigError(f"{folder} is not the same draft as {folders[0]}: its config differs in {diff}")
         state = _read_weights(str(folder))
         if i and state.keys() != summed.keys():
@@ -73,14 +74,8 @@ def average_drafts(folders: list[str | os.PathLike], output: str | os.PathLike, 
             else:
                 summed[name] = summed[name] + w * t.double() if i else w * t.double()
     state = {k: (v.to(getattr(torch, dtype)) if v.is_floating_point() else v).contiguous() for k, v in summed.items()}
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file(state, tmp, metadata={"format": "pt"})
     config.dtype = dtype
-    config.save(out)
+    write_draft(out, state, config)
     record = {"drafts": [str(f) for f in folders], "weights": weights, "dtype": dtype}
     atomic_write_text(out / RECORD, json.dumps(record, indent=2) + "\n")
     return record

@@ -440,17 +440,9 @@ class DFlashDraftModel(nn.Module):
 
     # ---- checkpoint --------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        from safetensors.torch import save_file
-
-        from .io import atomic_path
-
-        os.makedirs(directory, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        config = self.config
-        config.dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
-        with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:
-            save_file(state, tmp, metadata={"format": "pt"})
-        config.save(directory)
+        self.config.dtype = str(next(self.parameters()).dtype).removeprefix("torch.")
+        write_draft(directory, state, self.config)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target=None, *, device=None, dtype=None):
@@ -888,6 +880,18 @@ def choose_mask_token_id(target, tokenizer=None) -> int:
     if isinstance(pad, int) and 0 <= pad < rows and pad not in eos:
         return pad
     return rows - 1
+
+
+def write_draft(directory: str | os.PathLike, state: dict[str, torch.Tensor], config: DFlashConfig) -> None:
+    """A draft folder in the published format: model.safetensors (written atomically) and config.json."""
+    from safetensors.torch import save_file
+
+    from .io import atomic_path
+
+    os.makedirs(directory, exist_ok=True)
+    with atomic_path(os.path.join(directory, "model.safetensors")) as tmp:
+        save_file(state, tmp, metadata={"format": "pt"})
+    config.save(directory)
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:
