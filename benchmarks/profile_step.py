@@ -1,5 +1,6 @@
 """Where a DFlash step's time goes: draft propose, draft context write, target verify, and the rest
-(bookkeeping), per step, next to a plain decoding step. A greedy verify step runs the target's output layer
+(bookkeeping), per step, next to a plain decoding step; each run's prompt phase, up to its first token, is timed
+apart ("prompt ms"). A greedy verify step runs the target's output layer
 only on the rows it reads (up to the first rejected token); "dflash full head" runs it on every row, the cost
 of a step whose every draft token is accepted. Then the verify ratio side by side: forwards of one token and of a
 block alternated call by call (see side_by_side). Prints a table and ends with one JSON line.
@@ -87,9 +88,16 @@ def main():
     # verification reads the logits of the rows up to the first rejected token: SpecBatch.step) count with it
     calls: dict[int, list[float]] = {}
     last: list[list[float]] = [[]]
+    # a run's prompt phase (its prompt pass, output layer and the draft's first context write) ends where its first
+    # step starts: the first propose, or a plain run's second forward. What the parts spent by then is set apart, so
+    # that the per-step figures are steps' alone (a short answer's few steps would otherwise carry its prompt pass)
+    prompt: dict = {"forwards": 0, "spent": None}
 
     def timed(name, fn):
         def wrapper(*a, **k):
+            if prompt["spent"] is None and (name == "propose" or name == "target forward" and prompt["forwards"]):
+                prompt["spent"] = dict(spent)
+            prompt["forwards"] += name == "target forward"
             t = time.perf_counter()
             out = fn(*a, **k)
             took = time.perf_counter() - t
@@ -120,7 +128,7 @@ def main():
     kw = dict(max_new_tokens=args.max_new_tokens, return_stats=True, runtime=args.runtime)
     runs = {m: (lambda: ar_generate(target, ids, **kw)) if m == "ar" else (lambda: spec_generate(target, draft, ids, **kw))
             for m in methods}
-    seen = {m: {"spent": dict.fromkeys(spent, 0.0), "calls": {}, "total": 0.0, "steps": 0, "tokens": 0}
+    seen = {m: {"spent": dict.fromkeys(spent, 0.0), "calls": {}, "total": 0.0, "prompt": 0.0, "steps": 0, "tokens": 0}
             for m in methods}
     # the methods take turns, round by round, so that a shared machine's slow spells fall on all of them alike
     for round_ in range(args.rounds + 1):  # round 0 warms up
@@ -129,40 +137,46 @@ def main():
             for k in spent:
                 spent[k] = 0.0
             calls.clear()
+            prompt.update(forwards=0, spent=None)
             t = time.perf_counter()
             out = runs[method]()
             total = time.perf_counter() - t
             if round_ == 0:
                 continue
             acc = seen[method]
+            before = prompt["spent"] or spent  # a run that ended at its first token had no steps
             for k, v in spent.items():
-                acc["spent"][k] += v
+                acc["spent"][k] += v - before[k]
             for n, ts in calls.items():
                 acc["calls"].setdefault(n, []).extend(ts)
-            acc["total"] += total
-            acc["steps"] += out.num_steps + 1  # + the prefill
+            acc["total"] += total - out.time_to_first_token
+            acc["prompt"] += out.time_to_first_token
+            acc["steps"] += out.num_steps
             acc["tokens"] += out.num_new_tokens[0]
             acc["tau"] = out.tau
             if method == "ar":  # its new tokens: what side_by_side verifies
                 answer = out.sequences[0, ids.shape[1]:ids.shape[1] + out.num_new_tokens[0]]
     for method in methods:
         acc = seen[method]
-        per = {k: 1000 * v / acc["steps"] for k, v in acc["spent"].items()}
-        per["other"] = 1000 * acc["total"] / acc["steps"] - sum(per.values())
+        steps = max(acc["steps"], 1)
+        per = {k: 1000 * v / steps for k, v in acc["spent"].items()}
+        per["other"] = 1000 * acc["total"] / steps - sum(per.values())
         # a step's forward alone, the prompt pass left out: the median over the calls of each size
         forward = {n: 1000 * statistics.median(ts) for n, ts in acc["calls"].items() if n != ids.shape[1]}
+        wall = acc["total"] + acc["prompt"]
         report[method] = {"ms_per_step": {k: round(v, 2) for k, v in per.items()}, "steps": acc["steps"] // args.rounds,
-                          "tau": round(acc["tau"], 3), "tokens_per_s": round(acc["tokens"] / acc["total"], 2),
+                          "prompt_ms": round(1000 * acc["prompt"] / args.rounds, 1),
+                          "tau": round(acc["tau"], 3), "tokens_per_s": round(acc["tokens"] / wall, 2),
                           "forward_ms_by_tokens": {n: round(v, 2) for n, v in sorted(forward.items())}}
         rows.append(f"{method:16s} " + " ".join(f"{per[k]:>14.1f}" for k in per) +
-                    f" {acc['tau']:6.2f} {acc['tokens'] / acc['total']:8.1f}")
+                    f" {1000 * acc['prompt'] / args.rounds:9.1f} {acc['tau']:6.2f} {acc['tokens'] / wall:8.1f}")
     fast_mod.FastTargetAdapter.lazy_head = lazy
     (model_mod.DFlashDraftModel.propose, model_mod.DFlashDraftModel.write_context, target_mod.TargetAdapter.forward,
      fast_forward, fast_mod.FastTargetAdapter.head) = originals
     if fast_forward is not None:
         fast_mod.FastTargetAdapter.forward = fast_forward
     print(f"{'method':16s} " + " ".join(f"{k + ' ms':>14s}" for k in list(spent) + ["other"]) +
-          f" {'tau':>6s} {'tok/s':>8s}")
+          f" {'prompt ms':>9s} {'tau':>6s} {'tok/s':>8s}")
     print("\n".join(rows))
     one = report["ar"]["forward_ms_by_tokens"].get(1)
     for method, key in (("dflash", "verify_{}_over_one"), ("dflash full head", "verify_{}_full_head_over_one")):
