@@ -11,6 +11,9 @@
 #   task-answers-2/ the same from other openings (task-prompts-2/: travel posts, reviews, dialogues, personas,
 #                  riddles, extraction and summaries, STEM and humanities questions, code to write or fix: the kinds
 #                  of MT-Bench's and HumanEval's prompts that the first openings seldom bring)
+#   task-answers-3/ the same from a third set (task-prompts-3/: haiku, lyrics, diary entries, news, cover letters,
+#                  toasts, advertisements, scenes, characters, stories, advice, plans, lessons, debates, replies in
+#                  a role: more of the writing and role-play that MT-Bench asks for and the draft accepts least)
 # Every step resumes where it stopped: rerun the script (in the background; THREADS=1 leaves a core free).
 # Chunks already packed into data/smollm2-135m-instruct/<part>/ (committed, so they outlive runs/ and the machine)
 # are not answered again; keep them with `dflash pack runs/data/<part> -o data/smollm2-135m-instruct/<part>`.
@@ -66,3 +69,13 @@ dflash regenerate "${TASKS2[@]}" -o "$WORK/task-prompts-2" --batch-size 64 --tem
     --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
 dflash regenerate "$WORK/task-prompts-2" -o "$WORK/task-answers-2" --batch-size 32 "${COMMON[@]}" \
     $(kept task-answers-2)
+
+OPENINGS3=("Write a haiku" "Write a limerick" "Write song lyrics" "Write a diary entry" "Write a news article"
+           "Write a cover letter" "Write a toast" "Write an advertisement" "Write a motivational" "Write a scene"
+           "Write the opening paragraph" "Create a character" "Tell me a story" "Give me advice on" "Plan a"
+           "Brainstorm" "Teach me" "Debate" "Convince me" "Respond as")
+TASKS3=(); for o in "${OPENINGS3[@]}"; do TASKS3+=("self:$TASK_PROMPTS:$o"); done
+dflash regenerate "${TASKS3[@]}" -o "$WORK/task-prompts-3" --batch-size 64 --temperature 0.8 --top-p 0.95 \
+    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
+dflash regenerate "$WORK/task-prompts-3" -o "$WORK/task-answers-3" --batch-size 32 "${COMMON[@]}" \
+    $(kept task-answers-3)
