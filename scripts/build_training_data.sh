@@ -38,10 +38,21 @@ if [ ! -d "$WORK/rest" ]; then
 fi
 (cd "$WORK/rest" && dflash regenerate rest-prompts.jsonl -o answers --batch-size 32 "${COMMON[@]}" $(kept rest))
 
-dflash regenerate "self:$SELF_PROMPTS" -o "$WORK/self-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
-    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
-dflash regenerate "$WORK/self-prompts" -o "$WORK/self-answers" --batch-size 32 "${COMMON[@]}" \
-    $(kept self-answers)
+# prompts the target writes itself (sampled user turns, one or more `self:` sources), then its greedy answers
+written() {  # prompts folder, answers folder, sources...
+    local prompts=$1 answers=$2; shift 2
+    dflash regenerate "$@" -o "$WORK/$prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
+        --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
+    dflash regenerate "$WORK/$prompts" -o "$WORK/$answers" --batch-size 32 "${COMMON[@]}" $(kept "$answers")
+}
+# the same from given openings, TASK_PROMPTS prompts each
+tasks() {  # prompts folder, answers folder, openings...
+    local prompts=$1 answers=$2 sources=(); shift 2
+    for o in "$@"; do sources+=("self:$TASK_PROMPTS:$o"); done
+    written "$prompts" "$answers" "${sources[@]}"
+}
+
+written self-prompts self-answers "self:$SELF_PROMPTS"
 
 dflash regenerate chat gsm8k:train mbpp:train -o "$WORK/sampled-1" --limit 3104 --batch-size 32 --temperature 0.8 \
     --seed 1 "${COMMON[@]}" $(kept sampled-1)
@@ -52,30 +63,15 @@ for seed in 1 2; do
         --seed "$seed" "${COMMON[@]}" $(kept code-complete-s$seed)
 done
 
-OPENINGS=("Write a short story" "Write a poem" "Write a blog post" "Write a letter" "Write an email" "Write a speech"
-          "Write a product description" "Write a persuasive essay" "Compose" "Draft" "Rewrite" "Describe" "Act as"
-          "Pretend you are" "Imagine you are" "You are a" "Explain" "Suppose" "What would happen if" "Compare")
-TASKS=(); for o in "${OPENINGS[@]}"; do TASKS+=("self:$TASK_PROMPTS:$o"); done
-dflash regenerate "${TASKS[@]}" -o "$WORK/task-prompts" --batch-size 64 --temperature 0.8 --top-p 0.95 \
-    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
-dflash regenerate "$WORK/task-prompts" -o "$WORK/task-answers" --batch-size 32 "${COMMON[@]}" $(kept task-answers)
-
-OPENINGS2=("Write a travel blog post" "Write a review of" "Write a dialogue between" "Edit the following paragraph"
-           "Embody the persona of" "Role-play as" "As a" "Solve this riddle" "Which is more likely" "Calculate"
-           "Extract" "Summarize" "Identify" "How does" "Why do" "Discuss" "Analyze" "Write a Python function"
-           "Implement a" "Fix the bug in")
-TASKS2=(); for o in "${OPENINGS2[@]}"; do TASKS2+=("self:$TASK_PROMPTS:$o"); done
-dflash regenerate "${TASKS2[@]}" -o "$WORK/task-prompts-2" --batch-size 64 --temperature 0.8 --top-p 0.95 \
-    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
-dflash regenerate "$WORK/task-prompts-2" -o "$WORK/task-answers-2" --batch-size 32 "${COMMON[@]}" \
-    $(kept task-answers-2)
-
-OPENINGS3=("Write a haiku" "Write a limerick" "Write song lyrics" "Write a diary entry" "Write a news article"
-           "Write a cover letter" "Write a toast" "Write an advertisement" "Write a motivational" "Write a scene"
-           "Write the opening paragraph" "Create a character" "Tell me a story" "Give me advice on" "Plan a"
-           "Brainstorm" "Teach me" "Debate" "Convince me" "Respond as")
-TASKS3=(); for o in "${OPENINGS3[@]}"; do TASKS3+=("self:$TASK_PROMPTS:$o"); done
-dflash regenerate "${TASKS3[@]}" -o "$WORK/task-prompts-3" --batch-size 64 --temperature 0.8 --top-p 0.95 \
-    --model smollm2-135m-instruct --no-draft --max-new-tokens 192 --threads "$THREADS"
-dflash regenerate "$WORK/task-prompts-3" -o "$WORK/task-answers-3" --batch-size 32 "${COMMON[@]}" \
-    $(kept task-answers-3)
+tasks task-prompts task-answers "Write a short story" "Write a poem" "Write a blog post" "Write a letter" \
+    "Write an email" "Write a speech" "Write a product description" "Write a persuasive essay" "Compose" "Draft" \
+    "Rewrite" "Describe" "Act as" "Pretend you are" "Imagine you are" "You are a" "Explain" "Suppose" \
+    "What would happen if" "Compare"
+tasks task-prompts-2 task-answers-2 "Write a travel blog post" "Write a review of" "Write a dialogue between" \
+    "Edit the following paragraph" "Embody the persona of" "Role-play as" "As a" "Solve this riddle" \
+    "Which is more likely" "Calculate" "Extract" "Summarize" "Identify" "How does" "Why do" "Discuss" "Analyze" \
+    "Write a Python function" "Implement a" "Fix the bug in"
+tasks task-prompts-3 task-answers-3 "Write a haiku" "Write a limerick" "Write song lyrics" "Write a diary entry" \
+    "Write a news article" "Write a cover letter" "Write a toast" "Write an advertisement" "Write a motivational" \
+    "Write a scene" "Write the opening paragraph" "Create a character" "Tell me a story" "Give me advice on" \
+    "Plan a" "Brainstorm" "Teach me" "Debate" "Convince me" "Respond as"
