@@ -661,6 +661,7 @@ def test_regenerate_resumes_without_duplicates_or_losses(lang, tmp_path, monkeyp
                                         **{**cfg, "sources": [str(tmp_path / "elsewhere" / "prompts.jsonl")]}),
                        target=target, tokenizer=tok, progress=False)
     assert moved["written_now"] == 48 - 16
+
     def ids(folder, name):
         return [json.loads(line)["input_ids"] for line in (tmp_path / folder / name).read_text().splitlines()]
 
