@@ -1,5 +1,5 @@
-"""The recipe comparison, from training runs' own records: per run its data, depth, block, gamma, anchors,
-start, learning rate, schedule, hours and steps, and the last held-out evaluation (τ per test set, as
+"""The recipe comparison, from training runs' own records: per run its data, depth, key/value heads, MLP width, block,
+gamma, anchors, start, learning rate, schedule, hours and steps, and the last held-out evaluation (τ per test set, as
 `dflash train --eval-datasets` logs it, or, given as RUN=FOLDER, the `dflash evaluate --out FOLDER` of the run's
 draft, which can hold more prompts and tokens than a training run affords); a `dflash average` folder of runs'
 finals is a row of its own (its runs' hours added up). A markdown table, a plot of mean τ against hours (PNG)
@@ -42,6 +42,7 @@ def run_row(arg: str, names: dict[Path, str] | None = None) -> dict:
     saved = saved_draft(folder)
     return {"run": folder.name, "method": cfg.get("method", "dflash"), "data": cfg["train_records"],
             "depth": saved.get("num_hidden_layers", cfg["num_layers"]), "kv": saved.get("num_key_value_heads", ""),
+            "mlp": saved.get("intermediate_size", ""),
             "block": cfg["block_size"], "gamma": round(cfg["gamma"], 2), "anchors": cfg["num_anchors"],
             "batch": sequences_per_step(cfg),
             "distill": cfg.get("distill", 0.0),
@@ -92,8 +93,8 @@ def start_name(init_draft: str | None, names: dict[Path, str] | None = None) -> 
 
 def saved_draft(folder: Path) -> dict:
     """The config of the run's last saved draft (final, else the latest checkpoint; {} where neither is at hand):
-    its depth and key/value heads, which a stage started from another draft has from that draft, not from its own
-    --num-layers / --num-kv-heads."""
+    its depth, key/value heads and MLP width, which a stage started from another draft has from that draft, not from
+    its own --num-layers / --num-kv-heads / --intermediate-size."""
     latest = folder / "latest"
     for draft in (folder / "final", folder / latest.read_text().strip() if latest.exists() else None):
         if draft is not None and (draft / "config.json").exists():
@@ -102,21 +103,21 @@ def saved_draft(folder: Path) -> dict:
 
 
 # what a row of an ablation.json written before a column existed ran with
-OLD_ROW_DEFAULTS = {"method": "dflash", "kv": "", "batch": 1, "distill": 0.0, "step_kind": "live",
+OLD_ROW_DEFAULTS = {"method": "dflash", "kv": "", "mlp": "", "batch": 1, "distill": 0.0, "step_kind": "live",
                     "evaluation": "training log"}
 
 
 def table_lines(rows: list[dict]) -> list[str]:
     """The comparison as a markdown table (also the model card's)."""
     sets = sorted({k for r in rows for k in r["tau"]})
-    head = ["run", "drafter", "records", "depth", "kv heads", "block", "γ", "anchors", "sequences/step", "distill",
-            "start", "lr", "step", "hours", "steps", *sets, "mean τ", "τ from"]
+    head = ["run", "drafter", "records", "depth", "kv heads", "mlp units", "block", "γ", "anchors", "sequences/step",
+            "distill", "start", "lr", "step", "hours", "steps", *sets, "mean τ", "τ from"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         r = {**OLD_ROW_DEFAULTS, **r}
         taus = [f"{r['tau'][k]:.2f}" if k in r["tau"] else "" for k in sets]
         mean = f"{r['mean_tau']:.2f}" if r["mean_tau"] is not None else ""
-        cells = [r["run"], r["method"], r["data"], r["depth"], r["kv"], r["block"], r["gamma"], r["anchors"],
+        cells = [r["run"], r["method"], r["data"], r["depth"], r["kv"], r["mlp"], r["block"], r["gamma"], r["anchors"],
                  r["batch"], r["distill"], r["start"], r["lr"], r["step_kind"], r["hours"], r["steps"], *taus, mean,
                  r["evaluation"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")

@@ -120,14 +120,19 @@ def section(text: str, title: str) -> list[str]:
 
 def merged_comparison(earlier: list[str], new: list[str]) -> list[str]:
     """An earlier card's recipe comparison (header, rule, rows) followed by the rows of a new one, where the runs
-    it names are not in the earlier table already; the rows of runs no longer at hand so stay in the card.
-    Tables of other columns cannot be merged: an error."""
-    if not earlier:
-        return new
-    if new and earlier[0] != new[0]:
-        raise SystemExit("the earlier card's recipe comparison has other columns than this one: "
-                         f"{earlier[0]!r} against {new[0]!r}")
-    names = {row.split("|")[1].strip() for row in earlier[2:]}
+    it names are not in the earlier table already; the rows of runs no longer at hand so stay in the card. A
+    column the earlier table lacks (added to the table since) is left empty in its rows; a column the new one
+    lacks is an error."""
+    if not earlier or not new:
+        return earlier or new
+    cells = lambda row: [c.strip() for c in row.split("|")[1:-1]]  # noqa: E731
+    old_cols, new_cols = cells(earlier[0]), cells(new[0])
+    if set(old_cols) - set(new_cols):
+        raise SystemExit("the earlier card's recipe comparison has columns this one lacks: "
+                         f"{sorted(set(old_cols) - set(new_cols))}")
+    rows = [dict(zip(old_cols, cells(row))) for row in earlier[2:]]
+    earlier = new[:2] + ["| " + " | ".join(r.get(c, "") for c in new_cols) + " |" for r in rows]
+    names = {r["run"] for r in rows}
     return earlier + [row for row in new[2:] if row.split("|")[1].strip() not in names]
 
 

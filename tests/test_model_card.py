@@ -94,9 +94,9 @@ def test_an_older_cards_answer_count_moves_into_its_first_stage(tmp_path):
     assert "Stage 2, from the previous stage, on 9 answers (1 held out)" in card
 
 
-def _ablation(path: Path, *runs: tuple[str, float]) -> Path:
+def _ablation(path: Path, *runs: tuple[str, float], mlp: int = 64) -> Path:
     path.write_text(json.dumps([
-        {"run": run, "data": 9, "depth": 1, "kv": 3, "block": 8, "gamma": 3.27, "anchors": 32, "start": "fresh",
+        {"run": run, "data": 9, "depth": 1, "kv": 3, "mlp": mlp, "block": 8, "gamma": 3.27, "anchors": 32, "start": "fresh",
          "lr": 6e-4, "hours": 1.0, "steps": 40, "tau": {"gsm8k": tau}, "mean_tau": tau, "evaluation": "evaluate 40×128"}
         for run, tau in runs]))
     return path
@@ -124,13 +124,41 @@ def test_a_later_stage_keeps_the_earlier_cards_recipe_comparison(tmp_path):
     # a carried row's start set by hand: the folder it names held another draft then
     renamed = _card("--train", two, "--earlier-card", tmp_path / "first.md", "--data", paths["data"], "--bench",
                     paths["bench"], "--start-of", "r1=r0", "--out", tmp_path / "renamed.md")
-    starts = {line.split("|")[1].strip(): line.split("|")[11].strip() for line in renamed.splitlines()
-              if line.startswith("| r") and "| dflash |" in line}
-    assert starts == {"r0": "fresh", "r1": "r0"}
+    assert column(renamed, "start") == {"r0": "fresh", "r1": "r0"}
     bad = subprocess.run([sys.executable, str(SCRIPT), "--train", two, "--earlier-card", tmp_path / "first.md",
                           "--data", paths["data"], "--bench", paths["bench"], "--start-of", "r9=r0", "--out",
                           tmp_path / "bad.md"], capture_output=True, text=True)
     assert bad.returncode != 0 and "no run ['r9']" in bad.stderr
+
+    # a card made before the table had a column: its rows get that column empty, the new rows their own value
+    lines = first.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("| run |")))
+    drop = [c.strip() for c in lines[head].split("|")].index("mlp units")
+    for i in range(head, head + 4):
+        cells = lines[i].split("|")
+        lines[i] = "|".join(cells[:drop] + cells[drop + 1:])
+    (tmp_path / "older.md").write_text("\n".join(lines) + "\n")
+    merged = _card("--train", two, "--earlier-card", tmp_path / "older.md", "--data", paths["data"], "--bench",
+                   paths["bench"], "--ablation", _ablation(tmp_path / "a3.json", ("s2", 2.0), mlp=3072),
+                   "--out", tmp_path / "merged.md")
+    assert column(merged, "mlp units") == {"r0": "", "r1": "", "s2": "3072"}
+    assert column(merged, "start") == {"r0": "fresh", "r1": "fresh", "s2": "fresh"}
+    # one the new table lacks cannot be filled in
+    (tmp_path / "newer.md").write_text(first.replace("| run |", "| run | colour |").replace("| r0 |", "| r0 | red |")
+                                       .replace("| r1 |", "| r1 | red |").replace("|---|", "|---|---|", 1))
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--train", two, "--earlier-card", tmp_path / "newer.md",
+                          "--data", paths["data"], "--bench", paths["bench"], "--ablation", tmp_path / "a3.json",
+                          "--out", tmp_path / "bad.md"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "columns this one lacks: ['colour']" in bad.stderr
+
+
+def column(card: str, name: str) -> dict[str, str]:
+    """One column of a card's recipe comparison, by run."""
+    lines = card.splitlines()
+    head = next(line for line in lines if line.startswith("| run |"))
+    col = [c.strip() for c in head.split("|")].index(name)
+    return {line.split("|")[1].strip(): line.split("|")[col].strip() for line in lines
+            if line.startswith("| ") and "| dflash |" in line}
 
 
 def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison(tmp_path):
@@ -165,8 +193,9 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
     assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
     assert "cosine over 30 steps, a 1.0 h budget" in card
     assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
-    # a table from before the drafter, sequences/step, distill and step columns reads as the defaults it ran with
-    assert ("| r0 | dflash | 9 | 1 | 3 | 8 | 3.27 | 512 | 1 | 0.0 | fresh | 0.0006 | live | 2.0 | 40 | 2.10 | 2.10 | "
+    # a table from before the drafter, sequences/step, distill, step and MLP columns reads as the defaults it ran
+    # with (the MLP's: the target's, left empty)
+    assert ("| r0 | dflash | 9 | 1 | 3 |  | 8 | 3.27 | 512 | 1 | 0.0 | fresh | 0.0006 | live | 2.0 | 40 | 2.10 | 2.10 | "
             "evaluate 40×128, block 8 |") in card
 
 
@@ -285,8 +314,9 @@ def test_an_averaged_stage_is_its_runs_side_by_side_in_the_card_and_the_comparis
     evaluate = _evaluation(tmp_path / "eval", {"gsm8k": 2.4, "mbpp": 2.0})
     table = subprocess.run([sys.executable, str(SCRIPT.parent / "ablation_table.py"), str(one), str(a), str(b),
                             f"{soup}={evaluate}"], check=True, capture_output=True, text=True).stdout
-    row = next(x for x in table.splitlines() if x.startswith("| soup "))
-    cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[7:9] == ["4/8", "8/4"]  # anchors and sequences/step: a's/b's
-    assert cells[10] == "one" and cells[13:15] == ["1.5", "60"]  # started from stage 1; hours and steps added up
-    assert cells[15:] == ["2.40", "2.00", "2.20", "evaluate 40×128, block 8"]
+    head, row = (next(x for x in table.splitlines() if x.startswith(f"| {r} ")) for r in ("run", "soup"))
+    cells = dict(zip(*([c.strip() for c in x.split("|")[1:-1]] for x in (head, row))))
+    assert (cells["anchors"], cells["sequences/step"]) == ("4/8", "8/4")  # a's/b's
+    assert cells["start"] == "one" and (cells["hours"], cells["steps"]) == ("1.5", "60")  # hours and steps added up
+    assert [cells[k] for k in ("gsm8k", "mbpp", "mean τ", "τ from")] == ["2.40", "2.00", "2.20",
+                                                                         "evaluate 40×128, block 8"]

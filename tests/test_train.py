@@ -395,6 +395,45 @@ def test_a_trained_draft_widens_its_key_value_heads_without_changing_a_proposal(
         draft.widen_kv_heads(3)
 
 
+def test_a_trained_draft_widens_its_mlps_without_changing_a_proposal(lang, tmp_path):
+    """widen_mlp adds hidden units whose down projection starts at zero: the packed training forward and the
+    generation-time forward give the hidden states of the draft before, and the new units learn."""
+    target = tiny_target("llama", seed=3)
+    draft = DFlashDraftModel.from_target(target, num_layers=2, block_size=4)
+    ids = torch.randint(3, 96, (14,), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, draft.config.target_layer_ids, ids)
+    anchors = torch.tensor([3, 8, 12])
+    with torch.no_grad():
+        ref = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors)
+    assert draft.widen_mlp(192) == 64 and draft.config.intermediate_size == 192
+    assert draft.layers[1].mlp.down_proj.in_features == 192 == draft.layers[0].mlp.gate_proj.out_features
+    after = DFlashTrainStep(draft, 3.0).block_hidden(feats, ids, anchors)
+    assert torch.equal(after, ref)
+    with torch.no_grad():
+        for i, a in enumerate(anchors.tolist()):
+            torch.testing.assert_close(inference_block_hidden(draft, feats, ids, a), ref[i], rtol=0, atol=1e-5)
+    after.square().sum().backward()
+    assert draft.layers[0].mlp.down_proj.weight.grad[:, 128:].abs().sum() > 0
+    with pytest.raises(DFlashConfigError, match="cannot widen the draft's MLP from 192 to 128 units"):
+        draft.widen_mlp(128)
+
+    # through `dflash train`: a fresh draft of its own width, and --init-draft widened, saved and loaded so
+    root_target, tok, root = lang
+    train(cfg_for(root, tmp_path / "one", max_steps=3, intermediate_size=96), target=root_target, tokenizer=tok,
+          progress=False)
+    one = DFlashDraftModel.from_pretrained(tmp_path / "one" / "final", target=root_target)
+    assert one.config.intermediate_size == 96 == one.layers[0].mlp.up_proj.out_features
+    train(cfg_for(root, tmp_path / "two", max_steps=3, init_draft=str(tmp_path / "one" / "final"),
+                  intermediate_size=160), target=root_target, tokenizer=tok, progress=False)
+    wide = DFlashDraftModel.from_pretrained(tmp_path / "two" / "final", target=root_target)
+    assert wide.config.intermediate_size == 160 and wide.layers[0].mlp.down_proj.weight[:, 96:].abs().sum() > 0
+    with pytest.raises(DFlashError, match="cannot widen the draft's MLP from 160 to 96"):
+        train(cfg_for(root, tmp_path / "bad", max_steps=3, init_draft=str(tmp_path / "two" / "final"),
+                      intermediate_size=96), target=root_target, tokenizer=tok, progress=False)
+    with pytest.raises(DFlashError, match="--intermediate-size 0"):
+        train(cfg_for(root, tmp_path / "bad", intermediate_size=0), target=root_target, tokenizer=tok, progress=False)
+
+
 def test_resume_is_exact_and_keeps_fp32_master_weights(lang, tmp_path):
     # exported drafts in bf16: the checkpoints still hold the fp32 weights, so a resumed run continues the very
     # same training (rounded weights would not)
@@ -882,8 +921,9 @@ def test_the_ablation_table_reads_runs_records(lang, tmp_path, capsys):
     assert [r["depth"] for r in rows] == [1, 2] == [r["batch"] for r in rows] and all(r["steps"] == 6 for r in rows)
     assert all(set(r["tau"]) == {"held-out"} and r["mean_tau"] >= 1 and len(r["curve"]) == 2 for r in rows)
     out = capsys.readouterr().out
-    assert "| one | dflash | 44 | 1 | 2 | 8 |" in out and "held-out" in out.splitlines()[0]  # the tiny target's 2 kv heads
-    assert "| two | dflash | 44 | 2 | 2 | 8 |" in out and out.count("| live |") == 2
+    # the tiny target's 2 kv heads and 128 MLP units
+    assert "| one | dflash | 44 | 1 | 2 | 128 | 8 |" in out and "held-out" in out.splitlines()[0]
+    assert "| two | dflash | 44 | 2 | 2 | 128 | 8 |" in out and out.count("| live |") == 2
     # a later stage started from another run's draft names that run, as the run column does
     assert [r["start"] for r in rows] == ["fresh", "fresh"]
     assert ablation_table.start_name(str(tmp_path / "one" / "final")) == "one"

@@ -279,6 +279,8 @@ _TRAIN_HELP = {
     "draft_vocab_size": "limit proposals to the N most frequent answer tokens (cheaper draft LM head)", "num_layers": "draft decoder layers",
     "num_kv_heads": "key/value heads of the draft's layers, dividing the attention heads (default: the target's); "
                     "with --init-draft, a multiple of its heads that it widens to",
+    "intermediate_size": "hidden units of the draft's MLPs (default: the target's); with --init-draft, at least its "
+                         "own: the new units start silent",
     "block_size": "block size B", "target_layer_ids": "target layers to tap (default: evenly spaced)",
     "num_target_features": "number of target layers to tap when ids are not given (default: num_layers)",
     "mask_token_id": "vocabulary row used as MASK (default: a spare or unused special token)",

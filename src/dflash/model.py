@@ -315,9 +315,9 @@ class DFlashDraftModel(nn.Module):
     @classmethod
     def from_target(cls, target, num_layers: int = 1, block_size: int = 16, target_layer_ids=None,
                     mask_token_id: int | None = None, tokenizer=None, num_target_features: int | None = None,
-                    num_key_value_heads: int | None = None):
-        """A fresh (untrained) draft sized for `target`, any Hugging Face causal LM; its key/value heads are
-        the target's unless `num_key_value_heads` says otherwise."""
+                    num_key_value_heads: int | None = None, intermediate_size: int | None = None):
+        """A fresh (untrained) draft sized for `target`, any Hugging Face causal LM; its key/value heads and MLP
+        width are the target's unless `num_key_value_heads` / `intermediate_size` say otherwise."""
         tc = target.config.get_text_config()
         L = tc.num_hidden_layers
         if target_layer_ids is None:
@@ -328,7 +328,8 @@ class DFlashDraftModel(nn.Module):
         theta, scaling = rope_settings(tc)
         heads = tc.num_attention_heads
         config = DFlashConfig(
-            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
+            hidden_size=tc.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_attention_heads=heads,
             num_key_value_heads=num_key_value_heads or getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             num_target_layers=L, target_layer_ids=list(target_layer_ids), mask_token_id=int(mask_token_id),
@@ -385,6 +386,31 @@ class DFlashDraftModel(nn.Module):
                 layer.mlp.down_proj.weight.zero_()
             self.layers.append(layer)
         return num_layers - have  # compiled() rebuilds on the new parameters; the head caches do not see layers
+
+    def widen_mlp(self, intermediate_size: int, std: float = 0.02) -> int:
+        """Gives every layer's MLP `intermediate_size` hidden units, at least what it has: the new units' gate and
+        up rows start random and their down-projection columns zero, so every proposal is unchanged until training
+        moves them (room in width instead of depth: no layer added to a step's sequence). Returns the units added
+        per layer."""
+        have = self.config.intermediate_size
+        if intermediate_size < have:
+            raise DFlashConfigError(f"cannot widen the draft's MLP from {have} to {intermediate_size} units")
+        for layer in self.layers:
+            mlp = layer.mlp
+            for name, grow_rows in (("gate_proj", True), ("up_proj", True), ("down_proj", False)):
+                old = getattr(mlp, name)
+                shape = (intermediate_size, old.in_features) if grow_rows else (old.out_features, intermediate_size)
+                new = Linear(shape[1], shape[0], bias=False).to(device=old.weight.device, dtype=old.weight.dtype)
+                with torch.no_grad():
+                    if grow_rows:
+                        new.weight.normal_(0.0, std)
+                        new.weight[:have].copy_(old.weight)
+                    else:
+                        new.weight.zero_()
+                        new.weight[:, :have].copy_(old.weight)
+                setattr(mlp, name, new)
+        self.config.intermediate_size = intermediate_size
+        return intermediate_size - have
 
     def widen_kv_heads(self, num_kv_heads: int) -> None:
         """Gives every layer `num_kv_heads` key/value heads, a multiple of what it has (and a divisor of its

@@ -49,6 +49,7 @@ class TrainConfig:
     # context only through its values, so a target with few KV heads (SmolLM2-135M: 3 of 64 dims, a third of
     # the hidden size) narrows what one draft layer can take from each context position
     num_kv_heads: int | None = None
+    intermediate_size: int | None = None  # the draft MLP's hidden units (default: the target's)
     block_size: int = 16
     target_layer_ids: list[int] | None = None
     num_target_features: int | None = None  # how many target layers to tap when ids are not given
@@ -529,6 +530,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=No
                           "--distill-topk K) and pass --distill-topk K")
     if cfg.num_kv_heads is not None and cfg.method != "dflash":
         raise DFlashError(f"--num-kv-heads {cfg.num_kv_heads}: the {cfg.method} drafter keeps the target's heads")
+    if cfg.intermediate_size is not None and (cfg.method != "dflash" or cfg.intermediate_size < 1):
+        raise DFlashError(f"--intermediate-size {cfg.intermediate_size}: expected a unit count >= 1, for a dflash draft")
     keep_freed_memory()  # every step frees and allocates its activations again
     if target is None:
         device = cfg.device or (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
@@ -558,8 +561,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=No
             draft.config.block_size = cfg.block_size
         deeper = cfg.num_layers > draft.config.num_hidden_layers
         wider = cfg.num_kv_heads not in (None, draft.config.num_key_value_heads)
-        if (deeper or wider) and draft.config.draft_method != "dflash":
-            raise DFlashError("--num-layers / --num-kv-heads: only a dflash draft grows layers or heads")
+        broader = cfg.intermediate_size not in (None, draft.config.intermediate_size)
+        if (deeper or wider or broader) and draft.config.draft_method != "dflash":
+            raise DFlashError("--num-layers / --num-kv-heads / --intermediate-size: only a dflash draft grows")
         if deeper:
             have = draft.config.num_hidden_layers
             draft.grow_layers(cfg.num_layers)
@@ -570,6 +574,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=No
             draft.widen_kv_heads(cfg.num_kv_heads)
             print(f"dflash train: {cfg.init_draft} widened from {have} to {cfg.num_kv_heads} key/value heads, each a "
                   f"copy of the one its query heads read, so training starts from its proposals", file=sys.stderr)
+        if broader:
+            have = draft.config.intermediate_size
+            draft.widen_mlp(cfg.intermediate_size)
+            print(f"dflash train: {cfg.init_draft} widened its MLPs from {have} to {cfg.intermediate_size} units; the "
+                  f"new ones start silent (zero down projection), so training starts from its proposals",
+                  file=sys.stderr)
     elif cfg.method == "eagle3":
         torch.manual_seed(cfg.seed)
         draft = Eagle3DraftModel.from_target(target, block_size=cfg.block_size, target_layer_ids=cfg.target_layer_ids,
@@ -580,7 +590,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=No
         draft = DFlashDraftModel.from_target(target, num_layers=cfg.num_layers, block_size=cfg.block_size,
                                              target_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
                                              tokenizer=tokenizer, num_target_features=cfg.num_target_features,
-                                             num_key_value_heads=cfg.num_kv_heads)
+                                             num_key_value_heads=cfg.num_kv_heads,
+                                             intermediate_size=cfg.intermediate_size)
         if cfg.init_from_target:
             n = target.config.get_text_config().num_hidden_layers
             draft.init_from_target_layers(target, list(range(n - cfg.num_layers, n)))
