@@ -564,6 +564,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, *, target=None, tokenizer=No
         broader = cfg.intermediate_size not in (None, draft.config.intermediate_size)
         if (deeper or wider or broader) and draft.config.draft_method != "dflash":
             raise DFlashError("--num-layers / --num-kv-heads / --intermediate-size: only a dflash draft grows")
+        torch.manual_seed(cfg.seed)  # the new layers' and units' random weights, as a fresh draft's
         if deeper:
             have = draft.config.num_hidden_layers
             draft.grow_layers(cfg.num_layers)
