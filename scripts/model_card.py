@@ -247,7 +247,8 @@ def trained_sections(train: list[str], earlier: str, earlier_card: str | None) -
     shape = (f"a chain of {draft_cfg['block_size'] - 1} proposals per step" if eagle else
              f"block size {draft_cfg['block_size']}, mask token {first['mask_token_id']}")
     title = f"# {KINDS['eagle3' if eagle else 'dflash']} for {first['target']}"
-    draft = [f"- {draft_cfg['num_hidden_layers']} draft layer(s), {shape}, target layers {first['target_layer_ids']}, "
+    width = f" of {draft_cfg['intermediate_size']} MLP units" if "intermediate_size" in draft_cfg else ""
+    draft = [f"- {draft_cfg['num_hidden_layers']} draft layer(s){width}, {shape}, target layers {first['target_layer_ids']}, "
              f"proposals from the {proposals} most frequent answer tokens."]
     lines = list(before)
     for i, (runs, weights) in enumerate(groups, start=len(before)):

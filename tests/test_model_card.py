@@ -186,12 +186,15 @@ def test_card_with_packed_data_the_held_out_evaluation_and_the_recipe_comparison
                       schedule={"total_steps": 99, "max_hours": 1.0})
     with open(tmp_path / "run" / "log.jsonl", "a") as f:  # the size a time budget chose, not the epochs' count
         f.write(json.dumps({"step": 2, "calibrated_total_steps": 30, "seconds_per_step": 120.0}) + "\n")
+    saved = tmp_path / "run" / "final" / "config.json"  # a DFlash draft whose MLPs are not the target's width
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "draft_method": "dflash", "intermediate_size": 96}))
     card_path = tmp_path / "card" / "README.md"
     card_path.parent.mkdir()
     card = _card("--train", run, "--data", paths["data"], "--data", packed, "--bench", paths["bench"],
                  "--evaluate", evaluate, "--ablation", tmp_path / "ablation.json", "--out", card_path)
     assert "`packed`: 2 answers (9 answer tokens)" in card and "In all 4 answers (14 answer tokens)" in card
     assert "cosine over 30 steps, a 1.0 h budget" in card
+    assert "- 1 draft layer(s) of 96 MLP units, block size 7, mask token 0, target layers [1, 2, 3]" in card
     assert "| gsm8k | 2.50 | 0.90 | 0.70 | 50 |" in card and (card_path.parent / "slot_acceptance.png").is_file()
     # a table from before the drafter, sequences/step, distill, step and MLP columns reads as the defaults it ran
     # with (the MLP's: the target's, left empty)
