@@ -395,21 +395,18 @@ class DFlashDraftModel(nn.Module):
         have = self.config.intermediate_size
         if intermediate_size < have:
             raise DFlashConfigError(f"cannot widen the draft's MLP from {have} to {intermediate_size} units")
-        for layer in self.layers:
-            mlp = layer.mlp
-            for name, grow_rows in (("gate_proj", True), ("up_proj", True), ("down_proj", False)):
-                old = getattr(mlp, name)
-                shape = (intermediate_size, old.in_features) if grow_rows else (old.out_features, intermediate_size)
-                new = Linear(shape[1], shape[0], bias=False).to(device=old.weight.device, dtype=old.weight.dtype)
-                with torch.no_grad():
-                    if grow_rows:
-                        new.weight.normal_(0.0, std)
-                        new.weight[:have].copy_(old.weight)
-                    else:
-                        new.weight.zero_()
-                        new.weight[:, :have].copy_(old.weight)
-                setattr(mlp, name, new)
         self.config.intermediate_size = intermediate_size
+        for layer in self.layers:
+            old = layer.mlp
+            ref = old.down_proj.weight
+            new = DFlashMLP(self.config).to(device=ref.device, dtype=ref.dtype)
+            _init_weights(new, std)
+            with torch.no_grad():
+                new.gate_proj.weight[:have].copy_(old.gate_proj.weight)
+                new.up_proj.weight[:have].copy_(old.up_proj.weight)
+                new.down_proj.weight.zero_()
+                new.down_proj.weight[:, :have].copy_(old.down_proj.weight)
+            layer.mlp = new
         return intermediate_size - have
 
     def widen_kv_heads(self, num_kv_heads: int) -> None:
